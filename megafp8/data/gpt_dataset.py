@@ -1,0 +1,219 @@
+"""GPT samples: windows of ``seq_length + 1`` tokens cut from a stream of shuffled documents.
+
+Three indices, all built with vectorized numpy (no per-document or per-token Python loop):
+
+- document index: for each epoch, a fresh permutation of the split's documents, epochs concatenated.
+- sample index ``[n + 1, 2]`` int64: sample ``i`` covers stream positions ``[i*L, i*L + L]``
+  (``L + 1`` tokens: the last token of one sample is the first of the next, as in Megatron), and
+  row ``i`` holds (position in the document index, offset) of its first token.
+- shuffle index: samples permuted within each epoch, epochs in order, so every epoch is seen
+  whole before the next starts; the first ``num_samples`` entries are used.
+
+Here a "document" is one sequence of the indexed dataset (Megatron's GPT dataset does the same).
+Indices over real data are cached under ``cache_dir`` keyed by a hash of everything that shapes
+them (the sequence lengths themselves, the document range, seq_length, num_samples, seed): built
+once per node by LOCAL_RANK 0, written atomically, while other ranks wait on a barrier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1  # bump when the index construction changes
+
+
+def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest number of epochs whose token stream yields ``num_samples`` samples."""
+    if tokens_per_epoch <= 0:
+        raise ValueError("the documents hold no tokens; cannot cut samples from them")
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
+def _epoch_shuffle(n_per_epoch: int, epochs: int, rng: np.random.Generator) -> np.ndarray:
+    """Concatenation of ``epochs`` independent permutations of ``range(n_per_epoch)``."""
+    keys = rng.random((epochs, n_per_epoch))
+    return np.argsort(keys, axis=1, kind="stable").reshape(-1)
+
+
+def build_document_index(documents: np.ndarray, epochs: int, rng: np.random.Generator):
+    """Each epoch a new permutation of ``documents``; int32 while ids fit, else int64."""
+    dtype = np.int32 if len(documents) == 0 or documents.max() < 2**31 - 1 else np.int64
+    return np.asarray(documents, dtype)[_epoch_shuffle(len(documents), epochs, rng)]
+
+
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int):
+    """``[n + 1, 2]`` int64 (document-index position, offset) of every sample start.
+
+    ``sizes[d]`` is the token count of document ``d``; ``n = (total - 1) // seq_length``. Position
+    ``p`` belongs to the document whose cumulative span contains it (empty documents never do).
+    """
+    lengths = np.asarray(sizes, np.int64)[document_index]
+    ends = np.cumsum(lengths, dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    n = max(0, (total - 1) // seq_length)
+    starts = np.arange(n + 1, dtype=np.int64) * seq_length
+    pos = np.searchsorted(ends, starts, side="right")
+    out = np.empty((n + 1, 2), np.int64)
+    out[:, 0] = pos
+    out[:, 1] = starts - (ends[pos] - lengths[pos])
+    out[0] = 0  # as Megatron: the first sample starts at (0, 0) even if document 0 is empty
+    return out
+
+
+def build_shuffle_index(num_samples_total: int, seq_length: int, tokens_per_epoch: int,
+                        rng: np.random.Generator) -> np.ndarray:
+    """Samples permuted within each epoch (the epoch of their first token), epochs in order."""
+    epoch = np.arange(num_samples_total, dtype=np.int64) * seq_length // tokens_per_epoch
+    order = np.lexsort((rng.random(num_samples_total), epoch))
+    dtype = np.int32 if num_samples_total < 2**31 - 1 else np.int64
+    return order.astype(dtype)
+
+
+def _barrier() -> None:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _save_atomic(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    np.save(tmp, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def cached_arrays(cache_dir: str | None, key: str, names: tuple[str, ...],
+                  build: Callable[[], dict[str, np.ndarray]], description: dict):
+    """Load ``names`` from ``cache_dir/key-*.npy`` (mmap), building them once per node if absent.
+
+    LOCAL_RANK 0 builds and writes (each array atomically, the description last, which marks the
+    set complete); every rank then meets at a barrier when torch.distributed is initialized. With
+    no cache_dir, or a rank that finds no cache after the barrier, the arrays are built in memory.
+    """
+    if cache_dir is None:
+        return build()
+    paths = {n: os.path.join(cache_dir, f"{key}-{n}.npy") for n in names}
+    done = os.path.join(cache_dir, f"{key}-description.json")
+    built = None
+    if not os.path.isfile(done) and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        t0 = time.perf_counter()
+        built = build()
+        os.makedirs(cache_dir, exist_ok=True)
+        for n in names:
+            _save_atomic(paths[n], built[n])
+        tmp = f"{done}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(description, f, indent=2, sort_keys=True)
+        os.replace(tmp, done)
+        log.info("built %s in %.2fs under %s", key, time.perf_counter() - t0, cache_dir)
+    _barrier()
+    if built is not None:
+        return built
+    if not os.path.isfile(done):
+        log.warning("no index cache %s after the barrier; building in memory", done)
+        return build()
+    return {n: np.load(paths[n], mmap_mode="r", allow_pickle=False) for n in names}
+
+
+class MockIndexedDataset:
+    """Megatron-style mock documents: seeded random lengths, tokens ``1, 2, 3, ...`` then EOD.
+
+    Document ``i`` of length ``n`` is ``[1, 2, ..., n-1, eod]``; lengths are drawn uniformly from
+    ``[1, max_length]`` with ``max_length < vocab_size`` so every token id is below the vocab.
+    """
+
+    def __init__(self, num_sequences: int, vocab_size: int, eod: int, seed: int,
+                 max_length: int):
+        max_length = min(max_length, vocab_size - 1)
+        if max_length < 1 or not 0 <= eod < vocab_size:
+            raise ValueError(f"mock data needs vocab_size >= 2 and 0 <= eod < vocab "
+                             f"(vocab_size={vocab_size}, eod={eod})")
+        rng = np.random.default_rng(seed)
+        self.sequence_lengths = rng.integers(1, max_length + 1, num_sequences).astype(np.int32)
+        self.eod = eod
+        self.dtype = np.dtype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        size = int(self.sequence_lengths[i])
+        length = size - offset if length is None else length
+        tokens = np.arange(offset + 1, offset + length + 1, dtype=np.int64)
+        if offset + length == size and length:
+            tokens[-1] = self.eod
+        return tokens
+
+
+class GPTDataset:
+    """``ds[i]`` -> int64 array of ``seq_length + 1`` tokens, for ``i < num_samples``.
+
+    ``low`` is an ``IndexedDataset`` or ``MockIndexedDataset``; ``documents`` the sequence ids of
+    this split. ``cache_dir=None`` builds the indices in memory.
+    """
+
+    def __init__(self, low, documents: np.ndarray, seq_length: int, num_samples: int, seed: int,
+                 cache_dir: str | None = None, name: str = "train"):
+        if num_samples < 1:
+            raise ValueError(f"{name}: num_samples={num_samples} must be >= 1")
+        self.low, self.seq_length, self.num_samples, self.name = low, seq_length, num_samples, name
+        documents = np.asarray(documents, np.int64)
+        sizes = np.asarray(low.sequence_lengths)
+        tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+        epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
+        desc = {"class": "GPTDataset", "version": INDEX_VERSION, "seq_length": seq_length,
+                "num_samples": num_samples, "seed": seed, "name": name,
+                "documents": [int(documents[0]), int(documents[-1]) + 1, len(documents)],
+                "dataset": getattr(low, "prefix", "mock"), "epochs": epochs,
+                "tokens_per_epoch": tokens_per_epoch}
+        h = hashlib.blake2b(json.dumps({k: v for k, v in desc.items() if k != "dataset"},
+                                       sort_keys=True).encode(), digest_size=16)
+        h.update(np.ascontiguousarray(sizes[documents]).tobytes())
+        h.update(np.ascontiguousarray(documents).tobytes())
+        key = f"{h.hexdigest()}-{name}"
+
+        def build():
+            rng = np.random.default_rng(seed)
+            doc_index = build_document_index(documents, epochs, rng)
+            sample_index = build_sample_index(sizes, doc_index, seq_length)
+            shuffle = build_shuffle_index(len(sample_index) - 1, seq_length, tokens_per_epoch, rng)
+            return {"document_index": doc_index, "sample_index": sample_index,
+                    "shuffle_index": shuffle}
+
+        arrays = cached_arrays(cache_dir, key, ("document_index", "sample_index", "shuffle_index"),
+                               build, desc)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        self.epochs = epochs
+        if len(self.shuffle_index) < num_samples:
+            raise RuntimeError(f"{name}: index holds {len(self.shuffle_index)} samples, "
+                               f"fewer than the {num_samples} asked for")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"{self.name}: sample {i} outside [0, {self.num_samples})")
+        j = int(self.shuffle_index[i])
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
+        docs = self.document_index
+        if d0 == d1:
+            return np.asarray(self.low.get(int(docs[d0]), o0, o1 - o0 + 1), np.int64)
+        parts = [self.low.get(int(docs[d0]), o0)]
+        parts += [self.low.get(int(docs[d])) for d in range(d0 + 1, d1)]
+        parts.append(self.low.get(int(docs[d1]), 0, o1 + 1))
+        return np.concatenate(parts).astype(np.int64, copy=False)

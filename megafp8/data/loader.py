@@ -1,0 +1,186 @@
+"""Datasets for a run and each data-parallel rank's micro-batches, resumable bit for bit.
+
+Sample counts: train ``train_iters * gbs``; valid and test ``(train_iters // eval_interval + 1) *
+eval_iters * gbs`` with an eval interval, else ``eval_iters * gbs`` (``gbs`` = global batch).
+
+Order (Megatron's ``MegatronPretrainingSampler``): sample ids run ``0, 1, 2, ...`` through the
+shuffled dataset; each step of ``micro_batch_size * dp_size`` ids forms one micro-batch round, and
+DP rank ``r`` takes ids ``[r * micro, (r + 1) * micro)`` of it. Global batch ``k`` is therefore
+samples ``[k * gbs, (k + 1) * gbs)``, and a resume from ``consumed_train_samples`` continues with
+exactly the batches an uninterrupted run would have produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
+from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
+from megafp8.data.indexed import IndexedDataset
+from megafp8.data.tokenizer import DEFAULT_MOCK_VOCAB_SIZE
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "valid", "test")
+MOCK_NUM_SEQUENCES = 16384
+
+
+def global_batch_size(cfg, dp_size: int) -> int:
+    return cfg.train.global_batch_size or cfg.train.micro_batch_size * dp_size
+
+
+def split_sample_counts(cfg, dp_size: int) -> dict[str, int]:
+    """Samples each split must provide for the whole run."""
+    t, gbs = cfg.train, global_batch_size(cfg, dp_size)
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
+    eval_samples = evals * t.eval_iters * gbs
+    return {"train": t.train_iters * gbs, "valid": eval_samples, "test": eval_samples}
+
+
+def _mock_low(cfg, tokenizer):
+    if tokenizer is not None:
+        vocab, eod = tokenizer.vocab_size, tokenizer.eod
+    else:
+        vocab = cfg.model.vocab_size or DEFAULT_MOCK_VOCAB_SIZE
+        eod = vocab - 1
+    return MockIndexedDataset(MOCK_NUM_SEQUENCES, vocab, eod, cfg.train.seed,
+                              max_length=4 * cfg.model.seq_length)
+
+
+def _cache_dir(cfg, prefix: str) -> str:
+    if cfg.data.data_cache_path:
+        return cfg.data.data_cache_path
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
+
+
+def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None]:
+    """``{"train"|"valid"|"test": dataset or None}``; None where the split or its count is empty."""
+    counts = split_sample_counts(cfg, dp_size)
+    fractions = parse_split(cfg.data.split)
+    seq, seed = cfg.model.seq_length, cfg.train.seed
+    if cfg.data.mock_data:
+        parts = [(1.0, _mock_low(cfg, tokenizer), None)]
+    else:
+        parts = [(w, IndexedDataset(p), _cache_dir(cfg, p))
+                 for w, p in parse_data_path(cfg.data.data_path)]
+    out: dict[str, object | None] = {}
+    for s, name in enumerate(SPLITS):
+        ranges = [split_ranges(len(low), fractions)[s] for _, low, _ in parts]
+        usable = [i for i, (lo, hi) in enumerate(ranges) if hi > lo and parts[i][0] > 0]
+        if not counts[name] or not usable:
+            out[name] = None
+            continue
+        shares = apportion([parts[i][0] for i in usable], counts[name])
+        datasets = [None] * len(parts)
+        per_part = np.zeros(len(parts), np.int64)
+        for i, c in zip(usable, shares):
+            if c:
+                w, low, cache = parts[i]
+                lo, hi = ranges[i]
+                datasets[i] = GPTDataset(low, np.arange(lo, hi), seq, int(c), seed, cache, name)
+                per_part[i] = c
+        if len(parts) == 1:
+            out[name] = datasets[0]
+        else:
+            out[name] = BlendedDataset(datasets, per_part, parts[0][2], name)
+    return out
+
+
+def _collate(samples: list[np.ndarray]) -> dict:
+    import torch
+
+    batch = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
+    return {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous(),
+            "loss_mask": torch.ones(batch.shape[0], batch.shape[1] - 1, dtype=torch.float32)}
+
+
+def rank_sample_ids(start: int, end: int, micro: int, dp_rank: int, dp_size: int):
+    """Per micro-batch, this rank's sample ids in ``[start, end)`` (Megatron's sampler order)."""
+    step = micro * dp_size
+    for base in range(start, end - step + 1, step):
+        lo = base + dp_rank * micro
+        yield list(range(lo, lo + micro))
+
+
+def micro_batches(dataset, start: int, end: int, micro: int, dp_rank: int, dp_size: int,
+                  num_workers: int = 0) -> Iterator[dict]:
+    """This rank's micro-batches over samples ``[start, end)`` of ``dataset``."""
+    if num_workers <= 0:
+        for ids in rank_sample_ids(start, end, micro, dp_rank, dp_size):
+            yield _collate([dataset[i] for i in ids])
+        return
+    import torch.utils.data as tud
+
+    batches = list(rank_sample_ids(start, end, micro, dp_rank, dp_size))
+    yield from tud.DataLoader(_TorchView(dataset), batch_sampler=batches, num_workers=num_workers,
+                              collate_fn=_collate, persistent_workers=False)
+
+
+class _TorchView:
+    """Map-style adapter for ``torch.utils.data.DataLoader`` workers."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+
+@dataclass
+class DataIterators:
+    """Iterators of one DP rank's micro-batches (None where a split is empty)."""
+
+    train: Iterator[dict] | None
+    valid: Iterator[dict] | None
+    test: Iterator[dict] | None
+    datasets: dict
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    num_workers: int = 0
+
+    def _iterator(self, name: str, start: int = 0) -> Iterator[dict] | None:
+        ds = self.datasets.get(name)
+        if ds is None:
+            return None
+        return micro_batches(ds, start, len(ds), self.micro_batch_size, self.dp_rank,
+                             self.dp_size, self.num_workers)
+
+    def valid_iterator(self) -> Iterator[dict] | None:
+        """A fresh validation iterator from its first sample (every eval pass sees the same)."""
+        return self._iterator("valid")
+
+    def test_iterator(self) -> Iterator[dict] | None:
+        return self._iterator("test")
+
+
+def build_data_iterators(cfg, *, dp_rank: int, dp_size: int, consumed_train_samples: int = 0,
+                         tokenizer=None) -> DataIterators:
+    """Build the run's datasets and this rank's iterators; train resumes after consumed samples."""
+    micro = cfg.train.micro_batch_size
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} outside [0, dp_size={dp_size})")
+    if consumed_train_samples % (micro * dp_size):
+        raise ValueError(f"consumed_train_samples={consumed_train_samples} is not a multiple of "
+                         f"micro_batch_size={micro} x dp_size={dp_size}")
+    datasets = build_datasets(cfg, dp_size, tokenizer)
+    train = datasets["train"]
+    if train is not None and consumed_train_samples > len(train):
+        raise ValueError(f"consumed_train_samples={consumed_train_samples} exceeds the "
+                         f"{len(train)} training samples of this run")
+    it = DataIterators(None, None, None, datasets, micro, dp_rank, dp_size, cfg.data.num_workers)
+    it.train = it._iterator("train", consumed_train_samples)
+    it.valid = it._iterator("valid")
+    it.test = it._iterator("test")
+    for name in SPLITS:
+        ds = datasets[name]
+        log.info("%s: %s samples", name, "none" if ds is None else len(ds))
+    return it
