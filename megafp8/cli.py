@@ -1,0 +1,147 @@
+"""Megatron-compatible flags and YAML run files -> Config.
+
+Every config field is a flag named as Megatron names it: ``tensor_model_parallel_size`` is
+``--tensor-model-parallel-size``. Booleans that default to False are switches (``--swiglu``,
+``--sequence-parallel``, ``--bf16``); those that default to True have a ``--no-...`` switch, and
+Megatron's ``--disable-bias-linear`` is accepted too. ``--config run.yaml`` reads a run file whose keys
+are either sections (``model: {num_layers: 2}``) or flat field names (``num_layers: 2`` or
+``num-layers: 2``). Precedence: defaults < run file < flags. Unknown flags or keys are errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import fields
+
+import yaml
+
+from megafp8.config import Config
+
+ALIASES = {"disable_bias_linear": ("model", "add_bias_linear", False)}
+CHOICES = {
+    "fp8_format": ("e4m3", "hybrid"), "fp8_recipe": ("delayed", "tensorwise", "mxfp8"),
+    "fp8_backend": ("auto", "te", "torch", "none"), "fp8_gemm": ("auto", "scaled_mm", "emulated"),
+    "fp8_amax_compute_algo": ("max", "most_recent"),
+    "position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
+    "lr_decay_style": ("constant", "linear", "cosine", "WSD"), "zero_stage": (0, 1, 2, 3),
+}
+
+
+def _field_table() -> dict[str, tuple[str, dataclasses.Field, type]]:
+    """field name -> (section, field, python type)."""
+    table = {}
+    for sec in fields(Config):
+        hints = typing.get_type_hints(sec.default_factory)
+        for f in fields(sec.default_factory):
+            if f.name in table:
+                raise RuntimeError(f"config field {f.name} appears in two sections")
+            table[f.name] = (sec.name, f, hints[f.name])
+    return table
+
+
+def _base_type(tp):
+    """``int | None`` -> int; ``tuple[str, ...]`` -> tuple."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return typing.get_origin(tp) or tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", description="megafp8 GPT pretraining",
+                                allow_abbrev=False)
+    p.add_argument("--config", help="YAML run file (sections or flat keys)")
+    for name, (sec, f, tp) in _field_table().items():
+        flag = "--" + name.replace("_", "-")
+        base = _base_type(tp)
+        if base is bool:
+            if f.default:
+                p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_const",
+                               const=False, default=None, help=f"[{sec}] turn off {name}")
+            else:
+                p.add_argument(flag, dest=name, action="store_const", const=True, default=None,
+                               help=f"[{sec}]")
+        elif base is tuple:
+            p.add_argument(flag, dest=name, nargs="+", default=None, help=f"[{sec}]")
+        else:
+            p.add_argument(flag, dest=name, type=base, default=None, choices=CHOICES.get(name),
+                           help=f"[{sec}] default {f.default!r}")
+    p.add_argument("--disable-bias-linear", dest="disable_bias_linear", action="store_true",
+                   default=None, help="[model] no biases in linear layers")
+    return p
+
+
+def _coerce(name: str, value, tp):
+    base = _base_type(tp)
+    if value is None:
+        return None
+    if base is tuple:
+        return tuple(str(v) for v in (value if isinstance(value, (list, tuple)) else str(value).split()))
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected true/false, got {value!r}")
+        return value
+    try:
+        return base(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected {base.__name__}, got {value!r}") from None
+
+
+def _flatten_run_file(d: dict, path: str) -> dict:
+    table, sections = _field_table(), {f.name for f in fields(Config)}
+    flat = {}
+    for k, v in (d or {}).items():
+        key = str(k).replace("-", "_")
+        if key in sections and isinstance(v, dict):
+            for kk, vv in v.items():
+                kk = str(kk).replace("-", "_")
+                if kk not in table or table[kk][0] != key:
+                    raise ValueError(f"{path}: unknown key '{kk}' in section '{key}'")
+                flat[kk] = vv
+        elif key in table or key in ALIASES:
+            flat[key] = v
+        else:
+            raise ValueError(f"{path}: unknown key '{k}'")
+    return flat
+
+
+def config_from_values(values: dict) -> Config:
+    """Flat {field: value} -> Config, coercing types; unknown names raise ValueError."""
+    table = _field_table()
+    sections: dict[str, dict] = {}
+    for name, v in values.items():
+        if name in ALIASES:
+            if v:
+                sec, field, val = ALIASES[name]
+                sections.setdefault(sec, {})[field] = val
+            continue
+        if name not in table:
+            raise ValueError(f"unknown config key '{name}'")
+        sec, _, tp = table[name]
+        sections.setdefault(sec, {})[name] = _coerce(name, v, tp)
+    return Config().replace(**sections)
+
+
+def parse_args(argv=None) -> Config:
+    """Flags (and ``--config``) -> Config. argparse exits 2 on unknown flags; bad values raise."""
+    ns = build_parser().parse_args(argv)
+    values: dict = {}
+    if ns.config:
+        with open(ns.config) as f:
+            values.update(_flatten_run_file(yaml.safe_load(f), ns.config))
+    for k, v in vars(ns).items():
+        if k != "config" and v is not None:
+            values[k] = v
+    return config_from_values(values)
+
+
+def dump_yaml(cfg: Config) -> str:
+    d = cfg.to_dict()
+    for sec in d.values():
+        for k, v in sec.items():
+            if isinstance(v, tuple):
+                sec[k] = list(v)
+    return yaml.safe_dump(d, sort_keys=False)

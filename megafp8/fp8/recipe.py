@@ -1,0 +1,153 @@
+"""FP8 formats, recipes and scaling state, shared by every backend.
+
+Math (per scaled tensor, "tensorwise"):
+
+    scale     = fp8_max / amax / 2**margin        (kept when amax is 0 or not finite)
+    x_fp8     = cast(clamp(x * scale, -fp8_max, fp8_max))
+    x         ~= x_fp8 * (1 / scale)
+
+Delayed scaling: ``amax`` comes from a history of the last ``history_len`` amaxes (``max`` of the
+history or ``most_recent``), so the scale used at step t was computed at step t-1. Each use records
+the tensor's amax in slot 0; ``Fp8State.update()`` reduces slot 0 of every tensor with one MAX
+all-reduce over the amax group, recomputes the scales and rolls the histories.
+Current scaling ("tensorwise"): the scale comes from the tensor's own amax at cast time, reduced over
+the group that holds shards of it (the TP group), so every shard shares one scale.
+Formats: E4M3 everywhere, or HYBRID (E4M3 forward: activations and weights; E5M2 gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megafp8.parallel.mappings import world
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    fp8_format: str = "hybrid"  # "e4m3" | "hybrid"
+    recipe: str = "delayed"  # "delayed" | "tensorwise" | "mxfp8" (te backend only)
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"  # "max" | "most_recent"
+
+    @classmethod
+    def from_config(cls, f) -> Fp8Recipe:
+        return cls(f.fp8_format, f.fp8_recipe, f.fp8_margin, f.fp8_amax_history_len,
+                   f.fp8_amax_compute_algo)
+
+    def dtype(self, role: str) -> torch.dtype:
+        """``role`` is "x" (input), "w" (weight) or "g" (output gradient)."""
+        return E5M2 if (role == "g" and self.fp8_format == "hybrid") else E4M3
+
+
+def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin``; where amax is 0, inf or nan, the previous scale stays."""
+    sf = (fp8_max / amax) / (2.0 ** margin)
+    sf = torch.where(amax > 0.0, sf, scale)
+    return torch.where(torch.isfinite(amax), sf, scale)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast: values beyond the format's max clamp to +-max (never inf or nan)."""
+    m = FP8_MAX[dtype]
+    return (x.float() * scale).clamp_(-m, m).to(dtype)
+
+
+class ScalingMeta:
+    """Scaling state of one tensor role of one GEMM (input, weight or gradient)."""
+
+    def __init__(self, recipe: Fp8Recipe, role: str, device=None):
+        self.recipe, self.role = recipe, role
+        self.dtype = recipe.dtype(role)
+        self.fp8_max = FP8_MAX[self.dtype]
+        n = recipe.amax_history_len if recipe.recipe == "delayed" else 1
+        self.amax_history = torch.zeros(n, dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.pending = False  # an amax was recorded since the last update
+
+    def to(self, device) -> ScalingMeta:
+        self.amax_history = self.amax_history.to(device)
+        self.scale = self.scale.to(device)
+        return self
+
+    def quantize(self, x: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(x_fp8, scale_inv)``. Current scaling reduces the amax over ``group`` now."""
+        if self.amax_history.device != x.device:
+            self.to(x.device)
+        amax = x.detach().abs().amax().float()
+        if self.recipe.recipe == "delayed":
+            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+            self.pending = True
+            scale = self.scale
+        else:
+            if world(group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            self.amax_history[0] = amax
+            scale = compute_scale(amax, self.scale, self.fp8_max, self.recipe.margin)
+            self.scale = scale
+        return cast_to_fp8(x, scale, self.dtype), scale.reciprocal()
+
+    def update_from_history(self) -> None:
+        """Delayed scaling, after slot 0 was reduced: new scale, then roll (slot 0 starts empty)."""
+        h = self.amax_history
+        amax = h.max() if self.recipe.amax_compute_algo == "max" else h[0]
+        self.scale = compute_scale(amax, self.scale, self.fp8_max, self.recipe.margin)
+        self.amax_history = torch.roll(h, 1)
+        self.amax_history[0] = 0.0
+        self.pending = False
+
+    def state_dict(self) -> dict:
+        return {"amax_history": self.amax_history.clone(), "scale": self.scale.clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.amax_history = sd["amax_history"].to(self.amax_history)
+        self.scale = sd["scale"].to(self.scale)
+
+
+class Fp8State:
+    """Every ScalingMeta of a model, and the amax reduction that keeps their scales in agreement.
+
+    ``amax_group`` must hold every rank that holds a shard or a replica of the same tensors (TP x DP):
+    reducing over DP alone lets TP ranks pick different scales for one logical tensor.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, amax_group=None):
+        self.recipe, self.amax_group = recipe, amax_group
+        self.metas: dict[str, ScalingMeta] = {}
+
+    def meta(self, name: str, role: str) -> ScalingMeta:
+        key = f"{name}.{role}"
+        if key not in self.metas:
+            self.metas[key] = ScalingMeta(self.recipe, role)
+        return self.metas[key]
+
+    def update(self) -> None:
+        """After a micro-batch's forward and backward: one MAX all-reduce of the new amaxes, then
+        new scales for the delayed recipe. Every rank of ``amax_group`` must call it together."""
+        if self.recipe.recipe != "delayed":
+            return
+        metas = [m for _, m in sorted(self.metas.items()) if m.pending]
+        if not metas:
+            return
+        if world(self.amax_group) > 1:
+            cur = torch.stack([m.amax_history[0] for m in metas])
+            dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=self.amax_group)
+            for m, a in zip(metas, cur):
+                m.amax_history[0] = a
+        for m in metas:
+            m.update_from_history()
+
+    def state_dict(self) -> dict:
+        return {k: m.state_dict() for k, m in self.metas.items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k, v in sd.items():
+            name, role = k.rsplit(".", 1)
+            self.meta(name, role).load_state_dict(v)

@@ -1,0 +1,112 @@
+"""Causal self-attention split by heads over TP (multi-head or grouped-query).
+
+Under TP, rank r holds heads [r*np, (r+1)*np) with np = heads / tp. Grouped-query: when tp <= kv
+heads, each rank holds kv/tp whole groups and one fused QKV column-parallel GEMM suffices (the full
+QKV weight is laid out group by group: the group's query heads, then its k, then its v). When tp
+exceeds the kv heads, each kv head is replicated on the tp/kv ranks whose query heads use it: a
+separate KV projection holds that group's rows, and their gradient is summed over those ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.parallel import mappings as M
+from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megafp8.parallel.random import TP_STREAM
+
+
+def rope_tables(seq: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [s, d/2]
+    ang = torch.cat([ang, ang], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [s, b, n, d]; rotate-half RoPE (Megatron's non-interleaved layout)."""
+    d = x.shape[-1] // 2
+    rot = torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def qkv_rows(heads: int, kv: int, hd: int, tp: int, rank: int) -> torch.Tensor:
+    """Rows of the grouped QKV weight that rank ``rank`` holds when tp divides kv."""
+    per_group = (heads // kv + 2) * hd
+    groups = kv // tp
+    start = rank * groups * per_group
+    return torch.arange(start, start + groups * per_group)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device,
+                 rng=None, kv_group=None):
+        super().__init__()
+        m, sp = cfg.model, cfg.parallel.sequence_parallel
+        tp_group = groups.tp_group
+        tp, r = M.world(tp_group), M.rank_in(tp_group)
+        self.heads, self.kv, self.hd = m.num_attention_heads, m.kv_heads, m.head_dim
+        self.np, self.rng, self.dropout = self.heads // tp, rng, m.attention_dropout
+        self.kvp = max(1, self.kv // tp)
+        name = f"layers.{layer}.attn"
+        kw = dict(backend=backend, tp_group=tp_group, std=m.init_method_std, seed=seed,
+                  bias=m.add_bias_linear, sequence_parallel=sp, dtype=dtype, device=device, fp8=fp8)
+        qkv_out = (self.heads + 2 * self.kv) * self.hd
+        self.fused = self.kv % tp == 0
+        if self.fused:
+            self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, name=f"{name}.qkv",
+                                            rows=qkv_rows(self.heads, self.kv, self.hd, tp, r), **kw)
+        else:  # tp > kv: q split by heads, k/v of this rank's group replicated
+            g = r * self.kv // tp
+            hpg = self.heads // self.kv
+            base = g * (hpg + 2) * self.hd
+            q_rows = torch.cat([torch.arange(gg * (hpg + 2) * self.hd, gg * (hpg + 2) * self.hd
+                                             + hpg * self.hd) for gg in range(self.kv)])
+            q_rows = q_rows.view(tp, -1)[r]
+            kv_rows = torch.arange(base + hpg * self.hd, base + (hpg + 2) * self.hd)
+            self.q = ColumnParallelLinear(m.hidden_size, qkv_out, name=f"{name}.qkv", rows=q_rows, **kw)
+            self.kv_proj = ColumnParallelLinear(m.hidden_size, qkv_out, name=f"{name}.qkv",
+                                                rows=kv_rows, weight_grad_group=kv_group, **kw)
+        self.proj = RowParallelLinear(self.heads * self.hd, m.hidden_size, name=f"{name}.proj",
+                                      **{**kw, "std": m.init_method_std / (2.0 * m.num_layers) ** 0.5})
+        self.te_attn = None
+        if backend.name == "te":
+            self.te_attn = backend.te.DotProductAttention(
+                self.np, self.hd, num_gqa_groups=self.kvp, attention_dropout=self.dropout,
+                attn_mask_type="causal", qkv_format="sbhd")
+
+    def forward(self, x, rope=None):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
+        if self.fused:
+            qkv = self.qkv(x)  # [s, b, kvp * (hpg + 2) * hd]
+            s, b = qkv.shape[:2]
+            qkv = qkv.view(s, b, self.kvp, self.heads // self.kv + 2, self.hd)
+            q = qkv[:, :, :, :-2].reshape(s, b, self.np, self.hd)  # [s, b, np, hd]
+            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, kvp, hd]
+        else:
+            q = self.q(x)
+            s, b = q.shape[:2]
+            q = q.view(s, b, self.np, self.hd)
+            kv = self.kv_proj(x).view(s, b, 2, self.hd)
+            k, v = kv[:, :, 0:1], kv[:, :, 1:2]  # [s, b, 1, hd]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.te_attn is not None:
+            ctx = self.te_attn(q.contiguous(), k.contiguous(), v.contiguous())  # [s, b, np*hd]
+        else:
+            ctx = self._sdpa(q, k, v)
+        return self.proj(ctx)
+
+    def _sdpa(self, q, k, v):
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hd]
+        p = self.dropout if self.training else 0.0
+        if p > 0 and self.rng is not None:
+            with self.rng.fork(TP_STREAM):
+                o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                   enable_gqa=self.kvp != self.np)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=self.kvp != self.np)
+        return o.permute(2, 0, 1, 3).reshape(s, b, self.np * self.hd)  # [s, b, np*hd]

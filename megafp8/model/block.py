@@ -1,0 +1,55 @@
+"""Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.model.attention import SelfAttention
+from megafp8.model.mlp import MLP
+from megafp8.parallel.layers import allreduce_grad_hook
+from megafp8.parallel.random import TP_STREAM
+
+
+def make_norm(cfg, backend, groups, dtype, device) -> nn.Module:
+    """LayerNorm or RMSNorm (TE's fused kernels under the te backend). Under SP the norm runs on
+    sequence shards, so its weights' gradients are summed over TP."""
+    m = cfg.model
+    if backend.name == "te":
+        cls = backend.te.LayerNorm if m.normalization == "LayerNorm" else backend.te.RMSNorm
+        norm = cls(m.hidden_size, eps=m.norm_epsilon, params_dtype=dtype, device=device or "cuda")
+    elif m.normalization == "LayerNorm":
+        norm = nn.LayerNorm(m.hidden_size, eps=m.norm_epsilon, dtype=dtype, device=device)
+    else:
+        norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon, dtype=dtype, device=device)
+    if cfg.parallel.sequence_parallel:
+        for p in norm.parameters():
+            allreduce_grad_hook(p, groups.tp_group)
+    return norm
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device,
+                 rng=None, kv_group=None):
+        super().__init__()
+        self.norm1 = make_norm(cfg, backend, groups, dtype, device)
+        self.attn = SelfAttention(cfg, backend=backend, groups=groups, layer=layer, seed=seed, fp8=fp8,
+                                  dtype=dtype, device=device, rng=rng, kv_group=kv_group)
+        self.norm2 = make_norm(cfg, backend, groups, dtype, device)
+        self.mlp = MLP(cfg, backend=backend, groups=groups, layer=layer, seed=seed, fp8=fp8,
+                       dtype=dtype, device=device)
+        self.p = cfg.model.hidden_dropout
+        self.sp, self.rng = cfg.parallel.sequence_parallel, rng
+
+    def _drop(self, x):
+        if self.p == 0.0 or not self.training:
+            return x
+        if self.sp and self.rng is not None:  # the residual stream is sharded: per-rank stream
+            with self.rng.fork(TP_STREAM):
+                return F.dropout(x, self.p, True)
+        return F.dropout(x, self.p, True)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # [s(/tp), b, h]
+        x = x + self._drop(self.attn(self.norm1(x), rope))
+        return x + self._drop(self.mlp(self.norm2(x)))

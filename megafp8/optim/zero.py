@@ -1,0 +1,79 @@
+"""DeepSpeed engine over the data-parallel group: ZeRO stage 0-3, torch AdamW, gradient clipping.
+
+The optimizer is torch's AdamW (fused on CUDA), handed to DeepSpeed as a client optimizer, so no
+JIT-compiled DeepSpeed op (FusedAdam, CPUAdam) is ever built. ZeRO shards over
+``groups.as_deepspeed_mpu().get_data_parallel_group()`` only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def import_deepspeed():
+    """Import DeepSpeed without building its shared-memory comm op (30-80 s of compile per start)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    for name in ("deepspeed", "DeepSpeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return deepspeed
+
+
+def deepspeed_config(cfg, dp: int) -> dict:
+    t, o = cfg.train, cfg.optim
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    zero = {"stage": o.zero_stage}
+    if o.zero_stage >= 2:
+        zero.update({"overlap_comm": False, "contiguous_gradients": True,
+                     "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000})
+    if o.zero_stage == 3:
+        zero.update({"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50_000_000})
+    return {
+        "train_batch_size": gbs,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gbs // (t.micro_batch_size * dp),
+        "gradient_clipping": o.clip_grad,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(t.bf16)},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's grouping: no weight decay on biases and 1-D parameters (norms)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_engine(model, cfg, groups):
+    """``deepspeed.initialize`` with the mpu; returns the engine (its ``.optimizer`` is DeepSpeed's)."""
+    ds = import_deepspeed()
+    o = cfg.optim
+    fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr,
+                            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, fused=fused or None)
+    engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, groups.dp),
+                                    mpu=groups.as_deepspeed_mpu(), dist_init_required=False)
+    return engine
+
+
+def set_lr(engine, lr: float) -> None:
+    for g in engine.optimizer.param_groups:
+        g["lr"] = lr

@@ -1,0 +1,300 @@
+"""The training loop: schedule -> step -> log -> eval -> save, with resume and a SIGTERM save.
+
+One iteration = gradient accumulation over micro-batches up to the global batch, through the
+DeepSpeed engine (forward, backward, step per micro-batch; DeepSpeed steps the optimizer at the
+accumulation boundary). The FP8 backend's amax reduction runs after each micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import math
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megafp8 import checkpoint, metrics
+from megafp8.cli import dump_yaml, parse_args
+from megafp8.config import Config, data_parallel_size, validate
+from megafp8.fp8.backends import build_backend
+from megafp8.model.gpt import GPTModel
+from megafp8.optim.schedule import learning_rate
+from megafp8.optim.zero import build_engine, set_lr
+from megafp8.parallel.groups import ParallelGroups
+from megafp8.parallel.random import model_parallel_seed
+
+log = logging.getLogger("megafp8")
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    groups: ParallelGroups
+    model: GPTModel
+    engine: object
+    backend: object
+    rng: object
+    data: object
+    device: torch.device
+    iteration: int = 0
+    consumed: int = 0
+
+
+def check_inputs(cfg: Config) -> None:
+    """Cheap file checks before any process group or model exists."""
+    d = cfg.data
+    if not d.mock_data:
+        prefixes = d.data_path if len(d.data_path) == 1 else d.data_path[1::2]
+        for p in prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(p + ext):
+                    raise ValueError(f"data_path: {p + ext} does not exist")
+    if d.tokenizer_model and not os.path.exists(d.tokenizer_model):
+        raise ValueError(f"tokenizer_model: {d.tokenizer_model} does not exist")
+    if cfg.train.load and not os.path.isdir(cfg.train.load):
+        raise ValueError(f"load: {cfg.train.load} is not a directory")
+
+
+def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
+    """torch.distributed from torchrun/SLURM variables (one process without them), then the groups."""
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
+        os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        backend = cfg.parallel.distributed_backend or ("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    p = cfg.parallel
+    groups = ParallelGroups.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                  p.expert_model_parallel_size)
+    return groups, device
+
+
+def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
+    from megafp8.data.loader import build_data_iterators
+    from megafp8.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+    if cfg.model.vocab_size is None:
+        cfg = cfg.replace(model={"vocab_size": tok.vocab_size})
+    rng = model_parallel_seed(cfg.train.seed, groups.coords.tp, groups.coords.pp)
+    backend = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
+    model = GPTModel(cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size,
+                     device=device, rng=rng)
+    engine = build_engine(model, cfg, groups)
+    data = build_data_iterators(cfg, dp_rank=groups.coords.dp, dp_size=groups.dp, tokenizer=tok)
+    return Run(cfg, groups, model, engine, backend, rng, data, device)
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _dp_mean(x: torch.Tensor, groups: ParallelGroups) -> float:
+    if groups.dp > 1:
+        dist.all_reduce(x, group=groups.dp_group)
+        x = x / groups.dp
+    return float(x)
+
+
+def train_step(run: Run, train_iter) -> tuple[float, float | None]:
+    """One iteration (all micro-batches of the global batch); returns (DP-mean loss, grad norm)."""
+    eng, gas = run.engine, run.engine.gradient_accumulation_steps()
+    set_lr(eng, learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters))
+    total = torch.zeros((), device=run.device)
+    for _ in range(gas):
+        b = _to(next(train_iter), run.device)
+        with run.backend.autocast():
+            loss = eng(b["tokens"], b["labels"], b["loss_mask"])
+        eng.backward(loss)
+        run.backend.update()
+        eng.step()
+        total += loss.detach().float()
+    gn = eng.get_global_grad_norm()
+    gn = float(gn) if gn is not None else None
+    return _dp_mean(total / gas, run.groups), gn
+
+
+@torch.no_grad()
+def evaluate(run: Run, iters: int) -> float | None:
+    it = run.data.valid_iterator()
+    if it is None:
+        return None
+    run.model.eval()
+    total, n = torch.zeros((), device=run.device), 0
+    try:
+        for _ in range(iters * run.engine.gradient_accumulation_steps()):
+            b = _to(next(it), run.device)
+            with run.backend.autocast():
+                total += run.engine(b["tokens"], b["labels"], b["loss_mask"]).float()
+            n += 1
+    except StopIteration:
+        pass
+    finally:
+        run.model.train()
+    return _dp_mean(total / max(n, 1), run.groups) if n else None
+
+
+def save(run: Run) -> None:
+    client = {"iteration": run.iteration, "consumed_samples": run.consumed,
+              "fp8": run.backend.state_dict(), "rng": run.rng.state_dict()}
+    meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict()}
+    checkpoint.save(run.engine, run.cfg.train.save, run.iteration, client, meta)
+
+
+def resume(run: Run) -> bool:
+    from megafp8.data.loader import build_data_iterators
+
+    got = checkpoint.load(run.engine, run.cfg.train.load)
+    if got is None:
+        log.info("no checkpoint in %s: starting from scratch", run.cfg.train.load)
+        return False
+    client, meta = got
+    run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
+    run.backend.load_state_dict(client["fp8"])
+    run.rng.load_state_dict(client["rng"])
+    run.data = build_data_iterators(run.cfg, dp_rank=run.groups.coords.dp, dp_size=run.groups.dp,
+                                    consumed_train_samples=run.consumed)
+    log.info("resumed from %s at iteration %d (%d samples)", run.cfg.train.load, run.iteration,
+             run.consumed)
+    return True
+
+
+class _Signals:
+    """SIGTERM/SIGUSR1 (SLURM's pre-emption warning): save at the end of the iteration, then exit."""
+
+    def __init__(self):
+        self.hit = False
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(s, self._on)
+            except ValueError:  # not the main thread
+                pass
+
+    def _on(self, *_):
+        self.hit = True
+
+    def any(self, device) -> bool:
+        flag = torch.tensor(float(self.hit), device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def train(cfg: Config, run: Run | None = None) -> list[dict]:
+    """Run the loop; returns one record per logged iteration (on every rank)."""
+    if run is None:
+        groups, device = init_distributed(cfg)
+        run = build_run(cfg, groups, device)
+    cfg = run.cfg
+    t, lg = cfg.train, cfg.logging
+    rank0 = run.groups.rank == 0
+    if t.load:
+        resume(run)
+    gbs = t.global_batch_size or t.micro_batch_size * run.groups.dp
+    if rank0:
+        for d in (t.save, lg.tensorboard_dir):
+            if d:
+                os.makedirs(d, exist_ok=True)
+                checkpoint.write_atomic(os.path.join(d, "config.yaml"), dump_yaml(cfg))
+    tb = metrics.TensorBoard(lg.tensorboard_dir, rank0)
+    tb.text("config", "```\n" + dump_yaml(cfg) + "\n```")
+    flops = metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
+    peak = metrics.peak_tflops(cfg.fp8.enabled)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    train_iter, signals, history = iter(run.data.train), _Signals(), []
+    timer = metrics.Timer()
+    timer.start()
+    while run.iteration < t.train_iters:
+        loss, gnorm = train_step(run, train_iter)
+        run.iteration += 1
+        run.consumed += gbs
+        if not math.isfinite(loss) and t.exit_on_nan:
+            raise FloatingPointError(f"lm loss is {loss} at iteration {run.iteration}")
+        rec = {"iteration": run.iteration, "lm loss": loss, "grad norm": gnorm,
+               "learning rate": learning_rate(cfg.optim, run.iteration - 1, t.train_iters)}
+        if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
+            dt = timer.elapsed() / lg.log_interval
+            tflops = flops / dt / world / 1e12
+            rec.update({"elapsed time per iteration (ms)": dt * 1e3,
+                        "tokens per second": gbs * cfg.model.seq_length / dt,
+                        "throughput per GPU (TFLOP/s/GPU)": tflops,
+                        "MFU (%)": 100.0 * tflops / peak if peak else None,
+                        "peak memory (GB)": metrics.peak_memory_gb() if lg.log_memory else None})
+            _log_line(run, rec, gbs, tb, rank0)
+            timer.start()
+        history.append(rec)
+        if t.eval_interval and run.iteration % t.eval_interval == 0:
+            _eval_and_log(run, tb, rank0)
+        stop = signals.any(run.device)
+        if t.save and ((t.save_interval and run.iteration % t.save_interval == 0) or stop
+                       or run.iteration == t.train_iters):
+            save(run)
+        if stop:
+            log.warning("signal received: saved at iteration %d, exiting", run.iteration)
+            break
+    tb.close()
+    return history
+
+
+def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:
+    cfg = run.cfg
+    vals = {"consumed samples": run.consumed, **{k: rec.get(k) for k in (
+        "elapsed time per iteration (ms)", "learning rate")}, "global batch size": gbs,
+        "lm loss": rec["lm loss"], "grad norm": rec["grad norm"]}
+    for k in ("tokens per second", "throughput per GPU (TFLOP/s/GPU)", "MFU (%)", "peak memory (GB)"):
+        vals[k] = rec.get(k)
+    if rank0:
+        log.info(metrics.format_line(run.iteration, cfg.train.train_iters, vals))
+        tb.scalars({"lm loss": rec["lm loss"], "learning-rate": rec["learning rate"],
+                    "grad-norm": rec["grad norm"], "tokens-per-second": rec["tokens per second"],
+                    "tflops-per-gpu": rec["throughput per GPU (TFLOP/s/GPU)"],
+                    "mfu": rec["MFU (%)"], "peak-memory-gb": rec["peak memory (GB)"],
+                    "consumed-samples": run.consumed}, run.iteration)
+
+
+def _eval_and_log(run: Run, tb, rank0: bool) -> None:
+    v = evaluate(run, run.cfg.train.eval_iters)
+    if v is not None and rank0:
+        ppl = math.exp(min(v, 20.0))
+        log.info("validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E |",
+                 run.iteration, v, ppl)
+        tb.scalars({"validation/lm loss": v, "validation/lm loss PPL": ppl}, run.iteration)
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format="%(message)s", force=True)
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        validate(cfg, world)
+        check_inputs(cfg)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))))
+    log.info("data-parallel size %d, tp %d, pp %d", data_parallel_size(cfg, world),
+             cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
+    train(cfg)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
