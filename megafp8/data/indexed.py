@@ -19,6 +19,7 @@ however many documents there are), writes under temporary names and renames only
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -203,6 +204,33 @@ class _Spool:
             os.remove(self.path)
 
 
+def _append_file(src_path: str, dst) -> None:
+    """Append ``src_path`` to the open file ``dst`` in 16 MiB blocks, keeping holes of a sparse
+    source as holes (``SEEK_DATA``/``SEEK_HOLE`` where the OS has them)."""
+    dst.flush()
+    base = dst.tell()
+    size = os.path.getsize(src_path)
+    with open(src_path, "rb") as src:
+        fd, pos = src.fileno(), 0
+        while pos < size:
+            try:
+                pos = os.lseek(fd, pos, os.SEEK_DATA)
+                end = os.lseek(fd, pos, os.SEEK_HOLE)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break  # only a hole remains: the truncate below extends the file
+                end = size  # the file system cannot tell holes: copy the rest
+            except AttributeError:
+                end = size
+            src.seek(pos)
+            dst.seek(base + pos)
+            for lo in range(pos, end, 16 << 20):
+                dst.write(src.read(min(16 << 20, end - lo)))
+            pos = end
+    dst.truncate(base + size)
+    dst.seek(base + size)
+
+
 class IndexedDatasetWriter:
     """Streaming writer of ``prefix.bin``/``prefix.idx`` (Megatron's builder, with atomic output).
 
@@ -257,8 +285,7 @@ class IndexedDatasetWriter:
         docs = other.document_indices
         for lo in range(1, len(docs), _SPOOL_ITEMS):
             self._docs.extend(docs[lo:lo + _SPOOL_ITEMS] + start)
-        with open(data_file_path(prefix), "rb") as src:
-            shutil.copyfileobj(src, self._bin, 16 << 20)
+        _append_file(data_file_path(prefix), self._bin)
         self.num_tokens += other.num_tokens
 
     def finalize(self) -> None:
