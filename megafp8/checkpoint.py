@@ -7,7 +7,8 @@ Layout under ``--save DIR``::
     DIR/iter_0000100/megafp8.json  version, iteration, consumed samples, resolved config
 
 A save writes into ``DIR/.tmp-iter_0000100/``, fsyncs every file, renames the directory into place,
-then replaces ``latest`` atomically (write, fsync, rename). A crash at any instant leaves the previous
+then replaces ``latest`` atomically (write, fsync, rename). A crash at any instant leaves the
+previous
 checkpoint and its ``latest`` intact; leftover ``.tmp-*`` directories are ignored and cleaned up.
 """
 
@@ -73,7 +74,9 @@ def save(engine, save_dir: str, iteration: int, client_state: dict, meta: dict) 
     _barrier()
     if rank0:
         with open(os.path.join(tmp_root, tag, "megafp8.json"), "w") as f:
-            json.dump({"format_version": FORMAT_VERSION, "iteration": iteration, **meta}, f, indent=1)
+            json.dump(
+                {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}, f, indent=1
+            )
         _fsync_tree(tmp_root)
         if os.path.exists(final):  # re-saving the same iteration: replace the old copy
             shutil.rmtree(final)
@@ -92,8 +95,10 @@ def latest_tag(load_dir: str) -> str | None:
         return None
     tag = open(p).read().strip()
     if not os.path.isfile(os.path.join(load_dir, tag, "megafp8.json")):
-        raise ValueError(f"{p} names {tag!r}, but {os.path.join(load_dir, tag)} is not a complete "
-                         "megafp8 checkpoint")
+        raise ValueError(
+            f"{p} names {tag!r}, but {os.path.join(load_dir, tag)} is not a complete "
+            "megafp8 checkpoint"
+        )
     return tag
 
 
@@ -105,10 +110,13 @@ def load(engine, load_dir: str, tag: str | None = None) -> tuple[dict, dict] | N
     with open(os.path.join(load_dir, tag, "megafp8.json")) as f:
         meta = json.load(f)
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{load_dir}/{tag}: checkpoint format {meta.get('format_version')} "
-                         f"is not {FORMAT_VERSION}")
-    path, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        raise ValueError(
+            f"{load_dir}/{tag}: checkpoint format {meta.get('format_version')} "
+            f"is not {FORMAT_VERSION}"
+        )
+    path, client = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
     if path is None:
         raise ValueError(f"DeepSpeed could not load {load_dir}/{tag}")
     return client, meta

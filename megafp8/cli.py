@@ -3,7 +3,8 @@
 Every config field is a flag named as Megatron names it: ``tensor_model_parallel_size`` is
 ``--tensor-model-parallel-size``. Booleans that default to False are switches (``--swiglu``,
 ``--sequence-parallel``, ``--bf16``); those that default to True have a ``--no-...`` switch, and
-Megatron's ``--disable-bias-linear`` is accepted too. ``--config run.yaml`` reads a run file whose keys
+Megatron's ``--disable-bias-linear`` is accepted too. ``--config run.yaml`` reads a run file
+whose keys
 are either sections (``model: {num_layers: 2}``) or flat field names (``num_layers: 2`` or
 ``num-layers: 2``). Precedence: defaults < run file < flags. Unknown flags or keys are errors.
 """
@@ -22,11 +23,15 @@ from megafp8.config import Config
 
 ALIASES = {"disable_bias_linear": ("model", "add_bias_linear", False)}
 CHOICES = {
-    "fp8_format": ("e4m3", "hybrid"), "fp8_recipe": ("delayed", "tensorwise", "mxfp8"),
-    "fp8_backend": ("auto", "te", "torch", "none"), "fp8_gemm": ("auto", "scaled_mm", "emulated"),
+    "fp8_format": ("e4m3", "hybrid"),
+    "fp8_recipe": ("delayed", "tensorwise", "mxfp8"),
+    "fp8_backend": ("auto", "te", "torch", "none"),
+    "fp8_gemm": ("auto", "scaled_mm", "emulated"),
     "fp8_amax_compute_algo": ("max", "most_recent"),
-    "position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
-    "lr_decay_style": ("constant", "linear", "cosine", "WSD"), "zero_stage": (0, 1, 2, 3),
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "lr_decay_style": ("constant", "linear", "cosine", "WSD"),
+    "zero_stage": (0, 1, 2, 3),
 }
 
 
@@ -51,26 +56,45 @@ def _base_type(tp):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", description="megafp8 GPT pretraining",
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", description="megafp8 GPT pretraining", allow_abbrev=False
+    )
     p.add_argument("--config", help="YAML run file (sections or flat keys)")
     for name, (sec, f, tp) in _field_table().items():
         flag = "--" + name.replace("_", "-")
         base = _base_type(tp)
         if base is bool:
             if f.default:
-                p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_const",
-                               const=False, default=None, help=f"[{sec}] turn off {name}")
+                p.add_argument(
+                    "--no-" + name.replace("_", "-"),
+                    dest=name,
+                    action="store_const",
+                    const=False,
+                    default=None,
+                    help=f"[{sec}] turn off {name}",
+                )
             else:
-                p.add_argument(flag, dest=name, action="store_const", const=True, default=None,
-                               help=f"[{sec}]")
+                p.add_argument(
+                    flag, dest=name, action="store_const", const=True, default=None, help=f"[{sec}]"
+                )
         elif base is tuple:
             p.add_argument(flag, dest=name, nargs="+", default=None, help=f"[{sec}]")
         else:
-            p.add_argument(flag, dest=name, type=base, default=None, choices=CHOICES.get(name),
-                           help=f"[{sec}] default {f.default!r}")
-    p.add_argument("--disable-bias-linear", dest="disable_bias_linear", action="store_true",
-                   default=None, help="[model] no biases in linear layers")
+            p.add_argument(
+                flag,
+                dest=name,
+                type=base,
+                default=None,
+                choices=CHOICES.get(name),
+                help=f"[{sec}] default {f.default!r}",
+            )
+    p.add_argument(
+        "--disable-bias-linear",
+        dest="disable_bias_linear",
+        action="store_true",
+        default=None,
+        help="[model] no biases in linear layers",
+    )
     return p
 
 
@@ -79,7 +103,9 @@ def _coerce(name: str, value, tp):
     if value is None:
         return None
     if base is tuple:
-        return tuple(str(v) for v in (value if isinstance(value, (list, tuple)) else str(value).split()))
+        return tuple(
+            str(v) for v in (value if isinstance(value, (list, tuple)) else str(value).split())
+        )
     if base is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{name}: expected true/false, got {value!r}")

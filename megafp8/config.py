@@ -109,7 +109,9 @@ class DataConfig:
     data_path: tuple[str, ...] = ()  # ("A",) or Megatron's ("0.7", "A", "0.3", "B")
     split: str = "969,30,1"
     mock_data: bool = False
-    tokenizer_type: str | None = None  # None: SentencePieceTokenizer with a model, else NullTokenizer
+    tokenizer_type: str | None = (
+        None  # None: SentencePieceTokenizer with a model, else NullTokenizer
+    )
     tokenizer_model: str | None = None
     data_cache_path: str | None = None
     num_workers: int = 0
@@ -171,7 +173,7 @@ class Config:
         return cls(**kwargs)
 
     def replace(self, **sections) -> Config:
-        """``cfg.replace(model={'num_layers': 4})``: a copy with some fields of some sections changed."""
+        """``cfg.replace(model={'num_layers': 4})``: a copy with some fields changed."""
         new = {k: dataclasses.replace(getattr(self, k), **v) for k, v in sections.items()}
         return dataclasses.replace(self, **new)
 
@@ -205,15 +207,31 @@ def validate(cfg: Config, world_size: int) -> int:
     """
     m, p, f, o, d, t = cfg.model, cfg.parallel, cfg.fp8, cfg.optim, cfg.data, cfg.train
     e: list[str] = []
-    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    _positive(e, world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-              expert_model_parallel_size=ep, num_layers=m.num_layers, hidden_size=m.hidden_size,
-              num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-              seq_length=m.seq_length, micro_batch_size=t.micro_batch_size,
-              global_batch_size=t.global_batch_size, train_iters=t.train_iters,
-              log_interval=cfg.logging.log_interval, save_interval=t.save_interval,
-              eval_interval=t.eval_interval, fp8_amax_history_len=f.fp8_amax_history_len,
-              virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size)
+    tp, pp, ep = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.expert_model_parallel_size,
+    )
+    _positive(
+        e,
+        world_size=world_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        seq_length=m.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters,
+        log_interval=cfg.logging.log_interval,
+        save_interval=t.save_interval,
+        eval_interval=t.eval_interval,
+        fp8_amax_history_len=f.fp8_amax_history_len,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+    )
     if e:
         raise ValueError("invalid config: " + "; ".join(e))
     _choice(e, "position_embedding_type", m.position_embedding_type, POSITION_TYPES)
@@ -232,12 +250,16 @@ def validate(cfg: Config, world_size: int) -> int:
 
     # Parallel layout.
     if world_size % (tp * pp):
-        e.append(f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} "
-                 f"x pipeline_model_parallel_size={pp}")
+        e.append(
+            f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} "
+            f"x pipeline_model_parallel_size={pp}"
+        )
     dp = max(1, world_size // (tp * pp))
     if dp % ep:
-        e.append(f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
-                 f"(world_size={world_size} / (tp={tp} x pp={pp}))")
+        e.append(
+            f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
+            f"(world_size={world_size} / (tp={tp} x pp={pp}))"
+        )
     if p.sequence_parallel and tp == 1:
         e.append("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1)")
     if ep > 1:
@@ -252,21 +274,27 @@ def validate(cfg: Config, world_size: int) -> int:
     if heads % tp:
         e.append(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}")
     if kv % tp and tp % kv:
-        e.append(f"num_query_groups={kv} and tensor_model_parallel_size={tp}: one must divide "
-                 "the other (kv heads are split, or replicated when tp exceeds them)")
+        e.append(
+            f"num_query_groups={kv} and tensor_model_parallel_size={tp}: one must divide "
+            "the other (kv heads are split, or replicated when tp exceeds them)"
+        )
     if m.ffn % tp:
         e.append(f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp}")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         e.append(f"rope needs an even head dim; hidden_size/num_attention_heads = {m.head_dim}")
     if p.sequence_parallel and m.seq_length % tp:
-        e.append(f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
-                 "(sequence parallelism splits the sequence)")
+        e.append(
+            f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
+            "(sequence parallelism splits the sequence)"
+        )
     if m.seq_length > m.max_positions:
         e.append(f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_positions}")
     vpp = p.virtual_pipeline_model_parallel_size or 1
     if m.num_layers % (pp * vpp):
-        e.append(f"num_layers={m.num_layers} is not divisible by pipeline_model_parallel_size={pp} "
-                 f"x virtual_pipeline_model_parallel_size={vpp}")
+        e.append(
+            f"num_layers={m.num_layers} is not divisible by pipeline_model_parallel_size={pp} "
+            f"x virtual_pipeline_model_parallel_size={vpp}"
+        )
     if pp > 1:
         e.append(f"pipeline_model_parallel_size={pp}: pipeline parallelism is not available yet")
     if m.vocab_size is not None and m.vocab_size < 1:
@@ -278,26 +306,34 @@ def validate(cfg: Config, world_size: int) -> int:
 
     # FP8: the GEMM dims must be multiples of 16 (TE and cuBLASLt FP8 kernels).
     if f.enabled:
-        local = {"hidden_size": h, "ffn_hidden_size/tp": m.ffn // tp,
-                 "qkv width/tp": (heads + 2 * kv) * m.head_dim // tp}
+        local = {
+            "hidden_size": h,
+            "ffn_hidden_size/tp": m.ffn // tp,
+            "qkv width/tp": (heads + 2 * kv) * m.head_dim // tp,
+        }
         bad = {k: v for k, v in local.items() if v % 16}
         if bad:
             e.append(f"FP8 GEMM dims must be divisible by 16: {bad}")
         tokens = t.micro_batch_size * m.seq_length // (tp if p.sequence_parallel else 1)
         if tokens % 16:
-            e.append(f"FP8 needs micro_batch_size x seq_length (/tp under SP) divisible by 16, "
-                     f"got micro_batch_size={t.micro_batch_size} x seq_length={m.seq_length}")
+            e.append(
+                f"FP8 needs micro_batch_size x seq_length (/tp under SP) divisible by 16, "
+                f"got micro_batch_size={t.micro_batch_size} x seq_length={m.seq_length}"
+            )
         if f.fp8_recipe == "mxfp8" and f.fp8_backend not in ("te", "auto"):
             e.append("fp8_recipe='mxfp8' needs fp8_backend='te' (Blackwell block scaling)")
-        if f.first_last_layers_bf16 and (f.num_layers_at_start_in_bf16 < 0
-                                         or f.num_layers_at_end_in_bf16 < 0):
+        if f.first_last_layers_bf16 and (
+            f.num_layers_at_start_in_bf16 < 0 or f.num_layers_at_end_in_bf16 < 0
+        ):
             e.append("num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 must be >= 0")
 
     # Batch arithmetic.
     gbs = t.global_batch_size or t.micro_batch_size * dp
     if gbs % (t.micro_batch_size * dp):
-        e.append(f"global_batch_size={gbs} is not divisible by micro_batch_size={t.micro_batch_size} "
-                 f"x data-parallel size {dp}")
+        e.append(
+            f"global_batch_size={gbs} is not divisible by micro_batch_size={t.micro_batch_size} "
+            f"x data-parallel size {dp}"
+        )
 
     # Optimizer and schedule.
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:

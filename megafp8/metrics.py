@@ -30,10 +30,20 @@ def flops_per_iteration(m, global_batch: int, padded_vocab: int, causal: bool = 
     h, L, s = m.hidden_size, m.num_layers, m.seq_length
     attn_scores = (0.5 if causal else 1.0) * s / h
     gated = 1.5 if m.swiglu else 1.0
-    return 12.0 * global_batch * s * L * h * h * (
-        (1.0 + m.kv_heads / m.num_attention_heads + attn_scores) * (m.head_dim * m.num_attention_heads / h)
-        + (m.ffn / h) * gated
-        + padded_vocab / (2.0 * L * h))
+    return (
+        12.0
+        * global_batch
+        * s
+        * L
+        * h
+        * h
+        * (
+            (1.0 + m.kv_heads / m.num_attention_heads + attn_scores)
+            * (m.head_dim * m.num_attention_heads / h)
+            + (m.ffn / h) * gated
+            + padded_vocab / (2.0 * L * h)
+        )
+    )
 
 
 def peak_tflops(fp8: bool) -> float | None:
@@ -61,11 +71,17 @@ def format_line(it: int, total: int, values: dict) -> str:
     """Megatron's layout: `iteration       10/     100 | consumed samples: 640 | ... |`."""
     parts = [f" iteration {it:8d}/{total:8d}"]
     fmt = {
-        "consumed samples": "{:12d}", "elapsed time per iteration (ms)": "{:.1f}",
-        "learning rate": "{:.6E}", "global batch size": "{:5d}", "lm loss": "{:.6E}",
-        "grad norm": "{:.3f}", "tokens per second": "{:.1f}",
-        "throughput per GPU (TFLOP/s/GPU)": "{:.1f}", "MFU (%)": "{:.2f}",
-        "peak memory (GB)": "{:.2f}", "number of skipped iterations": "{:3d}",
+        "consumed samples": "{:12d}",
+        "elapsed time per iteration (ms)": "{:.1f}",
+        "learning rate": "{:.6E}",
+        "global batch size": "{:5d}",
+        "lm loss": "{:.6E}",
+        "grad norm": "{:.3f}",
+        "tokens per second": "{:.1f}",
+        "throughput per GPU (TFLOP/s/GPU)": "{:.1f}",
+        "MFU (%)": "{:.2f}",
+        "peak memory (GB)": "{:.2f}",
+        "number of skipped iterations": "{:3d}",
         "number of nan iterations": "{:3d}",
     }
     for k, v in values.items():

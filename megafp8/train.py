@@ -61,7 +61,7 @@ def check_inputs(cfg: Config) -> None:
 
 
 def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
-    """torch.distributed from torchrun/SLURM variables (one process without them), then the groups."""
+    """torch.distributed from torchrun/SLURM variables (or one process), then groups."""
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
@@ -75,8 +75,9 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     p = cfg.parallel
-    groups = ParallelGroups.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                  p.expert_model_parallel_size)
+    groups = ParallelGroups.build(
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    )
     return groups, device
 
 
@@ -89,8 +90,9 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         cfg = cfg.replace(model={"vocab_size": tok.vocab_size})
     rng = model_parallel_seed(cfg.train.seed, groups.coords.tp, groups.coords.pp)
     backend = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
-    model = GPTModel(cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size,
-                     device=device, rng=rng)
+    model = GPTModel(
+        cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng
+    )
     engine = build_engine(model, cfg, groups)
     data = build_data_iterators(cfg, dp_rank=groups.coords.dp, dp_size=groups.dp, tokenizer=tok)
     return Run(cfg, groups, model, engine, backend, rng, data, device)
@@ -146,8 +148,12 @@ def evaluate(run: Run, iters: int) -> float | None:
 
 
 def save(run: Run) -> None:
-    client = {"iteration": run.iteration, "consumed_samples": run.consumed,
-              "fp8": run.backend.state_dict(), "rng": run.rng.state_dict()}
+    client = {
+        "iteration": run.iteration,
+        "consumed_samples": run.consumed,
+        "fp8": run.backend.state_dict(),
+        "rng": run.rng.state_dict(),
+    }
     meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict()}
     checkpoint.save(run.engine, run.cfg.train.save, run.iteration, client, meta)
 
@@ -163,15 +169,23 @@ def resume(run: Run) -> bool:
     run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
     run.backend.load_state_dict(client["fp8"])
     run.rng.load_state_dict(client["rng"])
-    run.data = build_data_iterators(run.cfg, dp_rank=run.groups.coords.dp, dp_size=run.groups.dp,
-                                    consumed_train_samples=run.consumed)
-    log.info("resumed from %s at iteration %d (%d samples)", run.cfg.train.load, run.iteration,
-             run.consumed)
+    run.data = build_data_iterators(
+        run.cfg,
+        dp_rank=run.groups.coords.dp,
+        dp_size=run.groups.dp,
+        consumed_train_samples=run.consumed,
+    )
+    log.info(
+        "resumed from %s at iteration %d (%d samples)",
+        run.cfg.train.load,
+        run.iteration,
+        run.consumed,
+    )
     return True
 
 
 class _Signals:
-    """SIGTERM/SIGUSR1 (SLURM's pre-emption warning): save at the end of the iteration, then exit."""
+    """SIGTERM/SIGUSR1 (SLURM's pre-emption warning): save after this iteration, exit."""
 
     def __init__(self):
         self.hit = False
@@ -221,24 +235,35 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
         run.consumed += gbs
         if not math.isfinite(loss) and t.exit_on_nan:
             raise FloatingPointError(f"lm loss is {loss} at iteration {run.iteration}")
-        rec = {"iteration": run.iteration, "lm loss": loss, "grad norm": gnorm,
-               "learning rate": learning_rate(cfg.optim, run.iteration - 1, t.train_iters)}
+        rec = {
+            "iteration": run.iteration,
+            "lm loss": loss,
+            "grad norm": gnorm,
+            "learning rate": learning_rate(cfg.optim, run.iteration - 1, t.train_iters),
+        }
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
             dt = timer.elapsed() / lg.log_interval
             tflops = flops / dt / world / 1e12
-            rec.update({"elapsed time per iteration (ms)": dt * 1e3,
-                        "tokens per second": gbs * cfg.model.seq_length / dt,
-                        "throughput per GPU (TFLOP/s/GPU)": tflops,
-                        "MFU (%)": 100.0 * tflops / peak if peak else None,
-                        "peak memory (GB)": metrics.peak_memory_gb() if lg.log_memory else None})
+            rec.update(
+                {
+                    "elapsed time per iteration (ms)": dt * 1e3,
+                    "tokens per second": gbs * cfg.model.seq_length / dt,
+                    "throughput per GPU (TFLOP/s/GPU)": tflops,
+                    "MFU (%)": 100.0 * tflops / peak if peak else None,
+                    "peak memory (GB)": metrics.peak_memory_gb() if lg.log_memory else None,
+                }
+            )
             _log_line(run, rec, gbs, tb, rank0)
             timer.start()
         history.append(rec)
         if t.eval_interval and run.iteration % t.eval_interval == 0:
             _eval_and_log(run, tb, rank0)
         stop = signals.any(run.device)
-        if t.save and ((t.save_interval and run.iteration % t.save_interval == 0) or stop
-                       or run.iteration == t.train_iters):
+        if t.save and (
+            (t.save_interval and run.iteration % t.save_interval == 0)
+            or stop
+            or run.iteration == t.train_iters
+        ):
             save(run)
         if stop:
             log.warning("signal received: saved at iteration %d, exiting", run.iteration)
@@ -249,32 +274,57 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
 
 def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:
     cfg = run.cfg
-    vals = {"consumed samples": run.consumed, **{k: rec.get(k) for k in (
-        "elapsed time per iteration (ms)", "learning rate")}, "global batch size": gbs,
-        "lm loss": rec["lm loss"], "grad norm": rec["grad norm"]}
-    for k in ("tokens per second", "throughput per GPU (TFLOP/s/GPU)", "MFU (%)", "peak memory (GB)"):
+    vals = {
+        "consumed samples": run.consumed,
+        **{k: rec.get(k) for k in ("elapsed time per iteration (ms)", "learning rate")},
+        "global batch size": gbs,
+        "lm loss": rec["lm loss"],
+        "grad norm": rec["grad norm"],
+    }
+    for k in (
+        "tokens per second",
+        "throughput per GPU (TFLOP/s/GPU)",
+        "MFU (%)",
+        "peak memory (GB)",
+    ):
         vals[k] = rec.get(k)
     if rank0:
         log.info(metrics.format_line(run.iteration, cfg.train.train_iters, vals))
-        tb.scalars({"lm loss": rec["lm loss"], "learning-rate": rec["learning rate"],
-                    "grad-norm": rec["grad norm"], "tokens-per-second": rec["tokens per second"],
-                    "tflops-per-gpu": rec["throughput per GPU (TFLOP/s/GPU)"],
-                    "mfu": rec["MFU (%)"], "peak-memory-gb": rec["peak memory (GB)"],
-                    "consumed-samples": run.consumed}, run.iteration)
+        tb.scalars(
+            {
+                "lm loss": rec["lm loss"],
+                "learning-rate": rec["learning rate"],
+                "grad-norm": rec["grad norm"],
+                "tokens-per-second": rec["tokens per second"],
+                "tflops-per-gpu": rec["throughput per GPU (TFLOP/s/GPU)"],
+                "mfu": rec["MFU (%)"],
+                "peak-memory-gb": rec["peak memory (GB)"],
+                "consumed-samples": run.consumed,
+            },
+            run.iteration,
+        )
 
 
 def _eval_and_log(run: Run, tb, rank0: bool) -> None:
     v = evaluate(run, run.cfg.train.eval_iters)
     if v is not None and rank0:
         ppl = math.exp(min(v, 20.0))
-        log.info("validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E |",
-                 run.iteration, v, ppl)
+        log.info(
+            "validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E |",
+            run.iteration,
+            v,
+            ppl,
+        )
         tb.scalars({"validation/lm loss": v, "validation/lm loss PPL": ppl}, run.iteration)
 
 
 def setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
-                        format="%(message)s", force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        stream=sys.stdout,
+        format="%(message)s",
+        force=True,
+    )
 
 
 def main(argv=None) -> int:
@@ -287,8 +337,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))))
-    log.info("data-parallel size %d, tp %d, pp %d", data_parallel_size(cfg, world),
-             cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
+    log.info(
+        "data-parallel size %d, tp %d, pp %d",
+        data_parallel_size(cfg, world),
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_size,
+    )
     train(cfg)
     if dist.is_initialized():
         dist.barrier()

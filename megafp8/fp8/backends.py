@@ -1,4 +1,5 @@
-"""One GEMM protocol, three backends: "te" (Transformer Engine), "torch" (our recipe + torch._scaled_mm
+"""One GEMM protocol, three backends: "te" (Transformer Engine), "torch" (our recipe +
+torch._scaled_mm
 or its bitwise emulation), "none" (plain bf16/fp32).
 
 A backend builds the *local* linear of a layer (``make_linear``; the TP layers put the collectives
@@ -71,19 +72,41 @@ def init_weight_(w: torch.Tensor, std: float, generator: torch.Generator | None 
 class LocalLinear(nn.Module):
     """y = x w^T (+ b) on this rank's shard; FP8 through ``state`` when given, else plain."""
 
-    def __init__(self, in_features, out_features, bias, *, name, state: Fp8State | None,
-                 gemm: str, group, dtype, device=None):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias,
+        *,
+        name,
+        state: Fp8State | None,
+        gemm: str,
+        group,
+        dtype,
+        device=None,
+    ):
         super().__init__()
         self.name, self.state, self.gemm, self.group = name, state, gemm, group
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
 
     def forward(self, x):
         if self.state is None:
             return F.linear(x, self.weight, self.bias)
         s = self.state
-        y = _Fp8LinearFn.apply(x, self.weight, s.meta(self.name, "x"), s.meta(self.name, "w"),
-                               s.meta(self.name, "g"), self.group, self.gemm)
+        y = _Fp8LinearFn.apply(
+            x,
+            self.weight,
+            s.meta(self.name, "x"),
+            s.meta(self.name, "w"),
+            s.meta(self.name, "g"),
+            self.group,
+            self.gemm,
+        )
         return y if self.bias is None else y + self.bias
 
 
@@ -93,10 +116,29 @@ class Backend:
     name = "none"
     fp8 = False
 
-    def make_linear(self, in_features, out_features, bias, *, name, group=None, fp8=True,
-                    dtype=torch.float32, device=None) -> nn.Module:
-        return LocalLinear(in_features, out_features, bias, name=name, state=None, gemm="",
-                           group=None, dtype=dtype, device=device)
+    def make_linear(
+        self,
+        in_features,
+        out_features,
+        bias,
+        *,
+        name,
+        group=None,
+        fp8=True,
+        dtype=torch.float32,
+        device=None,
+    ) -> nn.Module:
+        return LocalLinear(
+            in_features,
+            out_features,
+            bias,
+            name=name,
+            state=None,
+            gemm="",
+            group=None,
+            dtype=dtype,
+            device=device,
+        )
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -120,15 +162,39 @@ class TorchBackend(Backend):
         self.state = Fp8State(recipe, amax_group)
         self.gemm = gemm
 
-    def make_linear(self, in_features, out_features, bias, *, name, group=None, fp8=True,
-                    dtype=torch.float32, device=None):
+    def make_linear(
+        self,
+        in_features,
+        out_features,
+        bias,
+        *,
+        name,
+        group=None,
+        fp8=True,
+        dtype=torch.float32,
+        device=None,
+    ):
         if not fp8:
-            return super().make_linear(in_features, out_features, bias, name=name, dtype=dtype,
-                                       device=device)
+            return super().make_linear(
+                in_features, out_features, bias, name=name, dtype=dtype, device=device
+            )
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        gemm = self.gemm if self.gemm != "auto" else ("scaled_mm" if dev.type == "cuda" else "emulated")
-        return LocalLinear(in_features, out_features, bias, name=name, state=self.state, gemm=gemm,
-                           group=group, dtype=dtype, device=device)
+        gemm = (
+            self.gemm
+            if self.gemm != "auto"
+            else ("scaled_mm" if dev.type == "cuda" else "emulated")
+        )
+        return LocalLinear(
+            in_features,
+            out_features,
+            bias,
+            name=name,
+            state=self.state,
+            gemm=gemm,
+            group=group,
+            dtype=dtype,
+            device=device,
+        )
 
     def update(self):
         self.state.update()
@@ -157,22 +223,45 @@ class TEBackend(Backend):
             fmt = ter.Format.HYBRID if recipe.fp8_format == "hybrid" else ter.Format.E4M3
             if recipe.recipe == "delayed":
                 self.te_recipe = ter.DelayedScaling(
-                    fp8_format=fmt, margin=recipe.margin, amax_history_len=recipe.amax_history_len,
-                    amax_compute_algo=recipe.amax_compute_algo)
+                    fp8_format=fmt,
+                    margin=recipe.margin,
+                    amax_history_len=recipe.amax_history_len,
+                    amax_compute_algo=recipe.amax_compute_algo,
+                )
             elif recipe.recipe == "tensorwise":
                 self.te_recipe = ter.Float8CurrentScaling(fp8_format=fmt)
             else:
                 self.te_recipe = ter.MXFP8BlockScaling(fp8_format=fmt)
 
-    def make_linear(self, in_features, out_features, bias, *, name, group=None, fp8=True,
-                    dtype=torch.float32, device=None):
-        return TELinear(self.te, in_features, out_features, bias, fp8=fp8 and self.fp8,
-                        recipe=self.te_recipe, dtype=dtype, device=device)
+    def make_linear(
+        self,
+        in_features,
+        out_features,
+        bias,
+        *,
+        name,
+        group=None,
+        fp8=True,
+        dtype=torch.float32,
+        device=None,
+    ):
+        return TELinear(
+            self.te,
+            in_features,
+            out_features,
+            bias,
+            fp8=fp8 and self.fp8,
+            recipe=self.te_recipe,
+            dtype=dtype,
+            device=device,
+        )
 
     def autocast(self):
         if not self.fp8:
             return contextlib.nullcontext()
-        return self.te.autocast(enabled=True, recipe=self.te_recipe, amax_reduction_group=self.amax_group)
+        return self.te.autocast(
+            enabled=True, recipe=self.te_recipe, amax_reduction_group=self.amax_group
+        )
 
 
 class TELinear(nn.Module):
@@ -181,8 +270,14 @@ class TELinear(nn.Module):
     def __init__(self, te, in_features, out_features, bias, *, fp8, recipe, dtype, device):
         super().__init__()
         self.fp8, self.te = fp8, te
-        self.inner = te.Linear(in_features, out_features, bias=bias, params_dtype=dtype,
-                               device=device or "cuda", init_method=lambda w: None)
+        self.inner = te.Linear(
+            in_features,
+            out_features,
+            bias=bias,
+            params_dtype=dtype,
+            device=device or "cuda",
+            init_method=lambda w: None,
+        )
         self.weight = self.inner.weight
         self.bias = self.inner.bias if bias else None
 
@@ -199,8 +294,11 @@ def te_available() -> bool:
     try:
         import transformer_engine.pytorch as te
 
-        return bool(te.is_fp8_available()[0] if isinstance(te.is_fp8_available(), tuple)
-                    else te.is_fp8_available())
+        return bool(
+            te.is_fp8_available()[0]
+            if isinstance(te.is_fp8_available(), tuple)
+            else te.is_fp8_available()
+        )
     except Exception:  # a broken TE install: fall back to the torch backend
         return False
 

@@ -10,7 +10,8 @@ Delayed scaling: ``amax`` comes from a history of the last ``history_len`` amaxe
 history or ``most_recent``), so the scale used at step t was computed at step t-1. Each use records
 the tensor's amax in slot 0; ``Fp8State.update()`` reduces slot 0 of every tensor with one MAX
 all-reduce over the amax group, recomputes the scales and rolls the histories.
-Current scaling ("tensorwise"): the scale comes from the tensor's own amax at cast time, reduced over
+Current scaling ("tensorwise"): the scale comes from the tensor's own amax at cast time,
+reduced over
 the group that holds shards of it (the TP group), so every shard shares one scale.
 Formats: E4M3 everywhere, or HYBRID (E4M3 forward: activations and weights; E5M2 gradients).
 """
@@ -39,17 +40,24 @@ class Fp8Recipe:
 
     @classmethod
     def from_config(cls, f) -> Fp8Recipe:
-        return cls(f.fp8_format, f.fp8_recipe, f.fp8_margin, f.fp8_amax_history_len,
-                   f.fp8_amax_compute_algo)
+        return cls(
+            f.fp8_format,
+            f.fp8_recipe,
+            f.fp8_margin,
+            f.fp8_amax_history_len,
+            f.fp8_amax_compute_algo,
+        )
 
     def dtype(self, role: str) -> torch.dtype:
         """``role`` is "x" (input), "w" (weight) or "g" (output gradient)."""
         return E5M2 if (role == "g" and self.fp8_format == "hybrid") else E4M3
 
 
-def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+def compute_scale(
+    amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int
+) -> torch.Tensor:
     """``fp8_max / amax / 2**margin``; where amax is 0, inf or nan, the previous scale stays."""
-    sf = (fp8_max / amax) / (2.0 ** margin)
+    sf = (fp8_max / amax) / (2.0**margin)
     sf = torch.where(amax > 0.0, sf, scale)
     return torch.where(torch.isfinite(amax), sf, scale)
 
@@ -114,7 +122,8 @@ class ScalingMeta:
 class Fp8State:
     """Every ScalingMeta of a model, and the amax reduction that keeps their scales in agreement.
 
-    ``amax_group`` must hold every rank that holds a shard or a replica of the same tensors (TP x DP):
+    ``amax_group`` must hold every rank that holds a shard or a replica of the same tensors
+    (TP x DP):
     reducing over DP alone lets TP ranks pick different scales for one logical tensor.
     """
 

@@ -41,8 +41,20 @@ def qkv_rows(heads: int, kv: int, hd: int, tp: int, rank: int) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device,
-                 rng=None, kv_group=None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        backend,
+        groups,
+        layer: int,
+        seed: int,
+        fp8: bool,
+        dtype,
+        device,
+        rng=None,
+        kv_group=None,
+    ):
         super().__init__()
         m, sp = cfg.model, cfg.parallel.sequence_parallel
         tp_group = groups.tp_group
@@ -51,31 +63,66 @@ class SelfAttention(nn.Module):
         self.np, self.rng, self.dropout = self.heads // tp, rng, m.attention_dropout
         self.kvp = max(1, self.kv // tp)
         name = f"layers.{layer}.attn"
-        kw = dict(backend=backend, tp_group=tp_group, std=m.init_method_std, seed=seed,
-                  bias=m.add_bias_linear, sequence_parallel=sp, dtype=dtype, device=device, fp8=fp8)
+        kw = dict(
+            backend=backend,
+            tp_group=tp_group,
+            std=m.init_method_std,
+            seed=seed,
+            bias=m.add_bias_linear,
+            sequence_parallel=sp,
+            dtype=dtype,
+            device=device,
+            fp8=fp8,
+        )
         qkv_out = (self.heads + 2 * self.kv) * self.hd
         self.fused = self.kv % tp == 0
         if self.fused:
-            self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, name=f"{name}.qkv",
-                                            rows=qkv_rows(self.heads, self.kv, self.hd, tp, r), **kw)
+            self.qkv = ColumnParallelLinear(
+                m.hidden_size,
+                qkv_out,
+                name=f"{name}.qkv",
+                rows=qkv_rows(self.heads, self.kv, self.hd, tp, r),
+                **kw,
+            )
         else:  # tp > kv: q split by heads, k/v of this rank's group replicated
             g = r * self.kv // tp
             hpg = self.heads // self.kv
             base = g * (hpg + 2) * self.hd
-            q_rows = torch.cat([torch.arange(gg * (hpg + 2) * self.hd, gg * (hpg + 2) * self.hd
-                                             + hpg * self.hd) for gg in range(self.kv)])
+            q_rows = torch.cat(
+                [
+                    torch.arange(gg * (hpg + 2) * self.hd, gg * (hpg + 2) * self.hd + hpg * self.hd)
+                    for gg in range(self.kv)
+                ]
+            )
             q_rows = q_rows.view(tp, -1)[r]
             kv_rows = torch.arange(base + hpg * self.hd, base + (hpg + 2) * self.hd)
-            self.q = ColumnParallelLinear(m.hidden_size, qkv_out, name=f"{name}.qkv", rows=q_rows, **kw)
-            self.kv_proj = ColumnParallelLinear(m.hidden_size, qkv_out, name=f"{name}.qkv",
-                                                rows=kv_rows, weight_grad_group=kv_group, **kw)
-        self.proj = RowParallelLinear(self.heads * self.hd, m.hidden_size, name=f"{name}.proj",
-                                      **{**kw, "std": m.init_method_std / (2.0 * m.num_layers) ** 0.5})
+            self.q = ColumnParallelLinear(
+                m.hidden_size, qkv_out, name=f"{name}.qkv", rows=q_rows, **kw
+            )
+            self.kv_proj = ColumnParallelLinear(
+                m.hidden_size,
+                qkv_out,
+                name=f"{name}.qkv",
+                rows=kv_rows,
+                weight_grad_group=kv_group,
+                **kw,
+            )
+        self.proj = RowParallelLinear(
+            self.heads * self.hd,
+            m.hidden_size,
+            name=f"{name}.proj",
+            **{**kw, "std": m.init_method_std / (2.0 * m.num_layers) ** 0.5},
+        )
         self.te_attn = None
         if backend.name == "te":
             self.te_attn = backend.te.DotProductAttention(
-                self.np, self.hd, num_gqa_groups=self.kvp, attention_dropout=self.dropout,
-                attn_mask_type="causal", qkv_format="sbhd")
+                self.np,
+                self.hd,
+                num_gqa_groups=self.kvp,
+                attention_dropout=self.dropout,
+                attn_mask_type="causal",
+                qkv_format="sbhd",
+            )
 
     def forward(self, x, rope=None):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
         if self.fused:
@@ -104,9 +151,11 @@ class SelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if p > 0 and self.rng is not None:
             with self.rng.fork(TP_STREAM):
-                o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                   enable_gqa=self.kvp != self.np)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.kvp != self.np
+                )
         else:
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                               enable_gqa=self.kvp != self.np)
+            o = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.kvp != self.np
+            )
         return o.permute(2, 0, 1, 3).reshape(s, b, self.np * self.hd)  # [s, b, np*hd]

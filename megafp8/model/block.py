@@ -30,15 +30,45 @@ def make_norm(cfg, backend, groups, dtype, device) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device,
-                 rng=None, kv_group=None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        backend,
+        groups,
+        layer: int,
+        seed: int,
+        fp8: bool,
+        dtype,
+        device,
+        rng=None,
+        kv_group=None,
+    ):
         super().__init__()
         self.norm1 = make_norm(cfg, backend, groups, dtype, device)
-        self.attn = SelfAttention(cfg, backend=backend, groups=groups, layer=layer, seed=seed, fp8=fp8,
-                                  dtype=dtype, device=device, rng=rng, kv_group=kv_group)
+        self.attn = SelfAttention(
+            cfg,
+            backend=backend,
+            groups=groups,
+            layer=layer,
+            seed=seed,
+            fp8=fp8,
+            dtype=dtype,
+            device=device,
+            rng=rng,
+            kv_group=kv_group,
+        )
         self.norm2 = make_norm(cfg, backend, groups, dtype, device)
-        self.mlp = MLP(cfg, backend=backend, groups=groups, layer=layer, seed=seed, fp8=fp8,
-                       dtype=dtype, device=device)
+        self.mlp = MLP(
+            cfg,
+            backend=backend,
+            groups=groups,
+            layer=layer,
+            seed=seed,
+            fp8=fp8,
+            dtype=dtype,
+            device=device,
+        )
         self.p = cfg.model.hidden_dropout
         self.sp, self.rng = cfg.parallel.sequence_parallel, rng
 

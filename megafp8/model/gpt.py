@@ -29,7 +29,9 @@ def layer_uses_fp8(cfg: Config, i: int) -> bool:
     if not f.enabled:
         return False
     if f.first_last_layers_bf16:
-        return f.num_layers_at_start_in_bf16 <= i < cfg.model.num_layers - f.num_layers_at_end_in_bf16
+        return (
+            f.num_layers_at_start_in_bf16 <= i < cfg.model.num_layers - f.num_layers_at_end_in_bf16
+        )
     return True
 
 
@@ -43,7 +45,7 @@ def kv_replica_group(groups, cfg):
     mine = None
     for tp_ranks in groups.all_tp_groups():
         for g in range(kv):
-            ranks = tp_ranks[g * share:(g + 1) * share]
+            ranks = tp_ranks[g * share : (g + 1) * share]
             pg = torch.distributed.new_group(ranks)
             if groups.rank in ranks:
                 mine = pg
@@ -62,26 +64,55 @@ class GPTModel(nn.Module):
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, groups.tp)
         std = m.init_method_std
-        self.embedding = VocabParallelEmbedding(self.padded_vocab, m.hidden_size, name="embedding",
-                                                tp_group=tp_group, std=std, seed=seed, dtype=dtype,
-                                                device=device)
+        self.embedding = VocabParallelEmbedding(
+            self.padded_vocab,
+            m.hidden_size,
+            name="embedding",
+            tp_group=tp_group,
+            std=std,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+        )
         self.pos = None
         if m.position_embedding_type == "learned_absolute":
-            self.pos = nn.Parameter(full_normal((m.max_positions, m.hidden_size), std,
-                                                param_seed(seed, "position"), device or "cpu", dtype))
+            self.pos = nn.Parameter(
+                full_normal(
+                    (m.max_positions, m.hidden_size),
+                    std,
+                    param_seed(seed, "position"),
+                    device or "cpu",
+                    dtype,
+                )
+            )
         kv_group = kv_replica_group(groups, cfg)
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg, backend=backend, groups=groups, layer=i, seed=seed,
-                             fp8=layer_uses_fp8(cfg, i), dtype=dtype, device=device, rng=rng,
-                             kv_group=kv_group)
-            for i in range(m.num_layers))
+            TransformerBlock(
+                cfg,
+                backend=backend,
+                groups=groups,
+                layer=i,
+                seed=seed,
+                fp8=layer_uses_fp8(cfg, i),
+                dtype=dtype,
+                device=device,
+                rng=rng,
+                kv_group=kv_group,
+            )
+            for i in range(m.num_layers)
+        )
         self.final_norm = make_norm(cfg, backend, groups, dtype, device)
         self.output = None
         if m.untie_embeddings_and_output_weights:
             r, n = M.rank_in(tp_group), self.padded_vocab // groups.tp
-            full = full_normal((self.padded_vocab, m.hidden_size), std, param_seed(seed, "output"),
-                               device or "cpu", dtype)
-            self.output = nn.Parameter(full[r * n:(r + 1) * n].clone())
+            full = full_normal(
+                (self.padded_vocab, m.hidden_size),
+                std,
+                param_seed(seed, "output"),
+                device or "cpu",
+                dtype,
+            )
+            self.output = nn.Parameter(full[r * n : (r + 1) * n].clone())
             if groups.tp > 1:
                 mark_tp(self.output, 0)
         self.rope = None
@@ -94,7 +125,8 @@ class GPTModel(nn.Module):
         return self.rope[0][:s], self.rope[1][:s]
 
     def forward(self, tokens, labels=None, loss_mask=None):
-        """tokens, labels, loss_mask: [b, s]. Returns the mean masked loss (or vocab-split logits)."""
+        """tokens, labels, loss_mask: [b, s]. Returns the mean masked loss
+        (or the vocab-split logits when no labels are given)."""
         tg = self.groups.tp_group
         x = self.embedding(tokens.t())  # [s, b, h]
         s = x.shape[0]

@@ -1,4 +1,4 @@
-"""MLP split by the ffn dim over TP: column-parallel fc1 (GELU, or SwiGLU gate+up), row-parallel fc2."""
+"""MLP split by the ffn dim over TP: column-parallel fc1 (GELU or SwiGLU), row-parallel fc2."""
 
 from __future__ import annotations
 
@@ -17,18 +17,34 @@ class MLP(nn.Module):
         tp_group, tp = groups.tp_group, M.world(groups.tp_group)
         r = M.rank_in(tp_group)
         self.swiglu = m.swiglu
-        kw = dict(backend=backend, tp_group=tp_group, seed=seed, bias=m.add_bias_linear,
-                  sequence_parallel=cfg.parallel.sequence_parallel, dtype=dtype, device=device, fp8=fp8)
+        kw = dict(
+            backend=backend,
+            tp_group=tp_group,
+            seed=seed,
+            bias=m.add_bias_linear,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            dtype=dtype,
+            device=device,
+            fp8=fp8,
+        )
         name = f"layers.{layer}.mlp"
         rows = None
         if m.swiglu:  # full fc1 = [gate; up], each [ffn, h]: this rank takes its chunk of both
             n = m.ffn // tp
-            rows = torch.cat([torch.arange(r * n, (r + 1) * n), m.ffn + torch.arange(r * n, (r + 1) * n)])
+            rows = torch.cat(
+                [torch.arange(r * n, (r + 1) * n), m.ffn + torch.arange(r * n, (r + 1) * n)]
+            )
         out1 = 2 * m.ffn if m.swiglu else m.ffn
-        self.fc1 = ColumnParallelLinear(m.hidden_size, out1, name=f"{name}.fc1", rows=rows,
-                                        std=m.init_method_std, **kw)
-        self.fc2 = RowParallelLinear(m.ffn, m.hidden_size, name=f"{name}.fc2",
-                                     std=m.init_method_std / (2.0 * m.num_layers) ** 0.5, **kw)
+        self.fc1 = ColumnParallelLinear(
+            m.hidden_size, out1, name=f"{name}.fc1", rows=rows, std=m.init_method_std, **kw
+        )
+        self.fc2 = RowParallelLinear(
+            m.ffn,
+            m.hidden_size,
+            name=f"{name}.fc2",
+            std=m.init_method_std / (2.0 * m.num_layers) ** 0.5,
+            **kw,
+        )
 
     def forward(self, x):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
         h = self.fc1(x)  # [s, b, ffn/tp (x2 for swiglu)]

@@ -1,10 +1,10 @@
 """Learning-rate schedule (Megatron's): linear warmup, then constant / linear / cosine / WSD decay.
 
-    warmup:  lr * (it + 1) / warmup            for it < warmup
-    decay:   r = (it - warmup) / (decay_iters - warmup), clipped to [0, 1]
-             linear  min + (lr - min) * (1 - r)
-             cosine  min + (lr - min) * 0.5 * (1 + cos(pi r))
-             WSD     lr until decay_iters - wsd_iters, then the chosen anneal to min over wsd_iters
+warmup:  lr * (it + 1) / warmup            for it < warmup
+decay:   r = (it - warmup) / (decay_iters - warmup), clipped to [0, 1]
+         linear  min + (lr - min) * (1 - r)
+         cosine  min + (lr - min) * 0.5 * (1 + cos(pi r))
+         WSD     lr until decay_iters - wsd_iters, then the chosen anneal to min over wsd_iters
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _anneal(style: str, r: float) -> float:
     if style == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * r))
     if style == "exponential":
-        return (2.0 * (0.5 ** r) - 1.0)
+        return 2.0 * (0.5**r) - 1.0
     if style == "minus_sqrt":
         return 1.0 - math.sqrt(r)
     raise ValueError(f"unknown decay style {style!r}")

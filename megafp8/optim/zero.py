@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def import_deepspeed():
-    """Import DeepSpeed without building its shared-memory comm op (30-80 s of compile per start)."""
+    """Import DeepSpeed without building its shared-memory comm op (30-80 s of compile)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -33,10 +33,18 @@ def deepspeed_config(cfg, dp: int) -> dict:
     gbs = t.global_batch_size or t.micro_batch_size * dp
     zero = {"stage": o.zero_stage}
     if o.zero_stage >= 2:
-        zero.update({"overlap_comm": False, "contiguous_gradients": True,
-                     "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000})
+        zero.update(
+            {
+                "overlap_comm": False,
+                "contiguous_gradients": True,
+                "reduce_bucket_size": 50_000_000,
+                "allgather_bucket_size": 50_000_000,
+            }
+        )
     if o.zero_stage == 3:
-        zero.update({"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50_000_000})
+        zero.update(
+            {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50_000_000}
+        )
     return {
         "train_batch_size": gbs,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -63,14 +71,24 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_engine(model, cfg, groups):
-    """``deepspeed.initialize`` with the mpu; returns the engine (its ``.optimizer`` is DeepSpeed's)."""
+    """``deepspeed.initialize`` with the mpu; returns the engine."""
     ds = import_deepspeed()
     o = cfg.optim
     fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr,
-                            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, fused=fused or None)
-    engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, groups.dp),
-                                    mpu=groups.as_deepspeed_mpu(), dist_init_required=False)
+    opt = torch.optim.AdamW(
+        param_groups(model, o.weight_decay),
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        fused=fused or None,
+    )
+    engine, _, _, _ = ds.initialize(
+        model=model,
+        optimizer=opt,
+        config=deepspeed_config(cfg, groups.dp),
+        mpu=groups.as_deepspeed_mpu(),
+        dist_init_required=False,
+    )
     return engine
 
 

@@ -4,9 +4,11 @@ Rank order, fastest-varying first, as Megatron: tp, ep (within dp), dp, pp. So
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank),   dp_rank = ep_rank + ep * expert_dp_rank
 
-``coords(rank, ...)`` is that map, a pure function testable without processes. ``ParallelGroups.build``
+``coords(rank, ...)`` is that map, a pure function testable without processes.
+``ParallelGroups.build``
 creates every group on every rank (torch.distributed requires all ranks to create all groups in the
-same order) and keeps the ones this rank belongs to. Size-1 groups are real groups too; collectives skip
+same order) and keeps the ones this rank belongs to. Size-1 groups are real groups
+too; collectives skip
 communication for them.
 """
 
@@ -37,7 +39,9 @@ class Layout:
 
     def __post_init__(self):
         if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"world_size={self.world_size} is not divisible by tp={self.tp} x pp={self.pp}")
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by tp={self.tp} x pp={self.pp}"
+            )
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide the data-parallel size {self.dp}")
 
@@ -53,7 +57,9 @@ def coords(rank: int, layout: Layout) -> Coords:
     tp_rank = rank % layout.tp
     dp_rank = (rank // layout.tp) % layout.dp
     pp_rank = rank // (layout.tp * layout.dp)
-    return Coords(tp=tp_rank, dp=dp_rank, pp=pp_rank, ep=dp_rank % layout.ep, edp=dp_rank // layout.ep)
+    return Coords(
+        tp=tp_rank, dp=dp_rank, pp=pp_rank, ep=dp_rank % layout.ep, edp=dp_rank // layout.ep
+    )
 
 
 def rank_of(c: Coords | dict, layout: Layout) -> int:
@@ -79,7 +85,7 @@ def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
         buckets: dict[Any, list[int]] = {}
         for r, c in enumerate(cs):
             buckets.setdefault(key(c), []).append(r)
-        out[name] = [buckets[k] for k in sorted(buckets)]
+        out[name] = sorted(buckets.values())
     return out
 
 
@@ -100,7 +106,9 @@ class ParallelGroups:
     ranks: dict  # kind -> this rank's group as a rank list
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None) -> ParallelGroups:
+    def build(
+        cls, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None
+    ) -> ParallelGroups:
         """Create all groups; torch.distributed must already be initialized."""
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = Layout(world, tp, pp, ep)
@@ -114,18 +122,37 @@ class ParallelGroups:
                     g = dist.new_group(ranks, backend=backend)
                 if rank in ranks:
                     mine[name], my_ranks[name] = g, ranks
-        return cls(layout=layout, rank=rank, coords=coords(rank, layout),
-                   tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"],
-                   ep_group=mine["ep"], edp_group=mine["edp"], tp_dp_group=mine["tp_dp"],
-                   mp_group=mine["mp"], ranks=my_ranks)
+        return cls(
+            layout=layout,
+            rank=rank,
+            coords=coords(rank, layout),
+            tp_group=mine["tp"],
+            dp_group=mine["dp"],
+            pp_group=mine["pp"],
+            ep_group=mine["ep"],
+            edp_group=mine["edp"],
+            tp_dp_group=mine["tp_dp"],
+            mp_group=mine["mp"],
+            ranks=my_ranks,
+        )
 
     @classmethod
     def single(cls) -> ParallelGroups:
         """One process with no torch.distributed: every group is None and of size 1."""
         layout = Layout(1)
-        return cls(layout=layout, rank=0, coords=coords(0, layout), tp_group=None, dp_group=None,
-                   pp_group=None, ep_group=None, edp_group=None, tp_dp_group=None, mp_group=None,
-                   ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "mp")})
+        return cls(
+            layout=layout,
+            rank=0,
+            coords=coords(0, layout),
+            tp_group=None,
+            dp_group=None,
+            pp_group=None,
+            ep_group=None,
+            edp_group=None,
+            tp_dp_group=None,
+            mp_group=None,
+            ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "mp")},
+        )
 
     @property
     def tp(self) -> int:

@@ -28,7 +28,11 @@ def param_seed(seed: int, name: str) -> int:
 def full_normal(shape, std: float, seed: int, device, dtype) -> torch.Tensor:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    return torch.empty(shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen).to(dtype)
+    return (
+        torch.empty(shape, device=device, dtype=torch.float32)
+        .normal_(0.0, std, generator=gen)
+        .to(dtype)
+    )
 
 
 def mark_tp(p: nn.Parameter, dim: int) -> nn.Parameter:
@@ -48,13 +52,29 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows (output features): rank r holds ``rows`` of the full A.
 
     Forward: x is copied to (or, under SP, all-gathered along the sequence into) the TP region; the
-    output stays split along its last dim. Backward: the input gradient is all-reduced (or, under SP,
+    output stays split along its last dim. Backward: the input gradient is all-reduced (or,
+    under SP,
     reduce-scattered along the sequence). ``rows`` defaults to this rank's contiguous chunk.
     """
 
-    def __init__(self, in_features, out_features, *, backend, name, tp_group, std, seed,
-                 bias=True, sequence_parallel=False, rows: torch.Tensor | None = None,
-                 weight_grad_group=None, dtype=torch.float32, device=None, fp8=True):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        *,
+        backend,
+        name,
+        tp_group,
+        std,
+        seed,
+        bias=True,
+        sequence_parallel=False,
+        rows: torch.Tensor | None = None,
+        weight_grad_group=None,
+        dtype=torch.float32,
+        device=None,
+        fp8=True,
+    ):
         super().__init__()
         tp, r = M.world(tp_group), M.rank_in(tp_group)
         if rows is None:
@@ -63,8 +83,16 @@ class ColumnParallelLinear(nn.Module):
             n = out_features // tp
             rows = torch.arange(r * n, (r + 1) * n)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.linear = backend.make_linear(in_features, len(rows), bias, name=name, group=tp_group,
-                                          fp8=fp8, dtype=dtype, device=device)
+        self.linear = backend.make_linear(
+            in_features,
+            len(rows),
+            bias,
+            name=name,
+            group=tp_group,
+            fp8=fp8,
+            dtype=dtype,
+            device=device,
+        )
         dev = self.linear.weight.device
         with torch.no_grad():
             full = full_normal((out_features, in_features), std, param_seed(seed, name), dev, dtype)
@@ -101,23 +129,40 @@ class RowParallelLinear(nn.Module):
     bias. Backward: identity (or all-gather along the sequence) for the gradient.
     """
 
-    def __init__(self, in_features, out_features, *, backend, name, tp_group, std, seed,
-                 bias=True, sequence_parallel=False, dtype=torch.float32, device=None, fp8=True):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        *,
+        backend,
+        name,
+        tp_group,
+        std,
+        seed,
+        bias=True,
+        sequence_parallel=False,
+        dtype=torch.float32,
+        device=None,
+        fp8=True,
+    ):
         super().__init__()
         tp, r = M.world(tp_group), M.rank_in(tp_group)
         if in_features % tp:
             raise ValueError(f"{name}: in_features={in_features} not divisible by tp={tp}")
         n = in_features // tp
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.linear = backend.make_linear(n, out_features, False, name=name, group=tp_group, fp8=fp8,
-                                          dtype=dtype, device=device)
+        self.linear = backend.make_linear(
+            n, out_features, False, name=name, group=tp_group, fp8=fp8, dtype=dtype, device=device
+        )
         dev = self.linear.weight.device
         with torch.no_grad():
             full = full_normal((out_features, in_features), std, param_seed(seed, name), dev, dtype)
-            self.linear.weight.copy_(full[:, r * n:(r + 1) * n])
+            self.linear.weight.copy_(full[:, r * n : (r + 1) * n])
         if tp > 1:
             mark_tp(self.linear.weight, 1)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=dev)) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=dev)) if bias else None
+        )
         if self.bias is not None and sequence_parallel:
             allreduce_grad_hook(self.bias, tp_group)
 
@@ -141,16 +186,19 @@ class VocabParallelEmbedding(nn.Module):
     Backward: identity; each rank's rows receive only their tokens' gradients.
     """
 
-    def __init__(self, vocab_size, hidden, *, name, tp_group, std, seed, dtype=torch.float32,
-                 device=None):
+    def __init__(
+        self, vocab_size, hidden, *, name, tp_group, std, seed, dtype=torch.float32, device=None
+    ):
         super().__init__()
         tp, r = M.world(tp_group), M.rank_in(tp_group)
         if vocab_size % tp:
             raise ValueError(f"{name}: vocab_size={vocab_size} not divisible by tp={tp}")
         n = vocab_size // tp
         self.start, self.end, self.tp_group = r * n, (r + 1) * n, tp_group
-        full = full_normal((vocab_size, hidden), std, param_seed(seed, name), device or "cpu", dtype)
-        self.weight = nn.Parameter(full[self.start:self.end].clone())
+        full = full_normal(
+            (vocab_size, hidden), std, param_seed(seed, name), device or "cpu", dtype
+        )
+        self.weight = nn.Parameter(full[self.start : self.end].clone())
         if tp > 1:
             mark_tp(self.weight, 0)
 
@@ -166,7 +214,8 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCE(torch.autograd.Function):
     """Cross-entropy over logits split along the vocab, never gathering the full vocab.
 
-    loss = log(sum_v exp(z_v - m)) - (z_t - m), with the max m, the sum and the target logit z_t each
+    loss = log(sum_v exp(z_v - m)) - (z_t - m), with the max m, the sum and the target logit z_t
+    each
     reduced over TP. Backward: softmax - onehot(target), on this rank's vocab slice.
     """
 

@@ -1,7 +1,8 @@
 """Autograd collectives over an explicit group (Megatron's mappings, groups passed in).
 
 Tensor-parallel (TP) regions split the last dim; sequence-parallel (SP) regions split dim 0 of the
-sequence-first ``[s, b, h]`` activations. A ``None`` group or a group of size 1 communicates nothing.
+sequence-first ``[s, b, h]`` activations. A ``None`` group or a group of size 1
+communicates nothing.
 On gloo, which has no reduce-scatter, reduce-scatter is an all-reduce followed by taking this rank's
 chunk: the same numbers, more traffic (CPU tests only; NCCL uses the real collective).
 """

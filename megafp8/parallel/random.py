@@ -2,7 +2,8 @@
 
 The default stream is seeded with ``seed + 100 * pp_rank``: identical across TP and DP ranks, so
 dropout outside TP regions (on the replicated residual stream) agrees across TP ranks. The
-``tensor-parallel`` stream is seeded with ``seed + 2718 + tp_rank``: dropout inside TP regions (on this
+``tensor-parallel`` stream is seeded with ``seed + 2718 + tp_rank``: dropout inside TP regions
+(on this
 rank's heads) differs across TP ranks, as a single process's dropout differs across heads.
 Under sequence parallelism the residual stream is itself sharded, so its dropout uses the TP stream.
 """
@@ -56,8 +57,12 @@ class RngTracker:
             _set_state(saved)
 
     def state_dict(self) -> dict:
-        return {"streams": {k: dict(v) for k, v in self.states.items()}, "default": _get_state(),
-                "python": random.getstate(), "numpy": np.random.get_state()}
+        return {
+            "streams": {k: dict(v) for k, v in self.states.items()},
+            "default": _get_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.states = {k: dict(v) for k, v in sd["streams"].items()}
