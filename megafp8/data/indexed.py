@@ -128,7 +128,7 @@ class IndexedDataset:
             i = int(bad[0])
             raise IndexFormatError(f"{idx}: pointer of sequence {i} is {ptrs[i]}, expected "
                                    f"{expect[i]} (sum of the previous lengths x {item} bytes)")
-        need = int(expect[-1] + lengths[-1] * item) if n else 0
+        need = int(expect[-1]) + int(lengths[-1]) * item if n else 0
         bin_size = len(self._bin)
         if bin_size != need:
             raise IndexFormatError(f"{data_file_path(self.prefix)}: {bin_size} bytes, the index "
@@ -150,6 +150,10 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def all_tokens(self) -> np.ndarray:
+        """Every token of the ``.bin`` as one read-only view."""
+        return np.frombuffer(self._bin, self.dtype) if len(self._bin) else np.empty(0, self.dtype)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``i`` as a read-only view."""
