@@ -1,0 +1,143 @@
+"""Splits, blend proportions, and blended real datasets through the loader (cache, resume)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megafp8.config import Config
+from megafp8.data import build_data_iterators
+from megafp8.data.blend import (
+    BlendedDataset,
+    apportion,
+    blend_indices,
+    parse_data_path,
+    parse_split,
+    split_ranges,
+)
+from megafp8.data.indexed import IndexedDatasetWriter
+
+
+def megatron_split(num, fractions):
+    """Megatron's _get_split_indices, transcribed."""
+    idx = [0]
+    for f in fractions:
+        idx.append(idx[-1] + int(round(f * float(num))))
+    idx[1:] = [i - (idx[-1] - num) for i in idx[1:]]
+    return idx
+
+
+@pytest.mark.parametrize("num", [1, 3, 10, 999, 1000, 12345])
+@pytest.mark.parametrize("split", ["969,30,1", "1,1,1", "100,0,0", "8,2"])
+def test_split_ranges_match_megatron(num, split):
+    fr = parse_split(split)
+    ranges = split_ranges(num, fr)
+    ref = megatron_split(num, fr)
+    assert [r[0] for r in ranges] + [ranges[-1][1]] == [max(0, x) for x in ref]
+
+
+def test_parse_errors():
+    assert parse_data_path(("A",)) == [(1.0, "A")]
+    assert parse_data_path(("3", "A", "1", "B")) == [(0.75, "A"), (0.25, "B")]
+    for bad, msg in [(("0.5", "A", "B"), "pairs"), (("x", "A"), "not a number"),
+                     (("-1", "A", "1", "B"), "negative"), (("0", "A", "0", "B"), "sum to zero")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_data_path(bad)
+    with pytest.raises(ValueError):
+        parse_split("1,2,3,4")
+
+
+def test_apportion_is_exact():
+    assert apportion([0.7, 0.3], 10).tolist() == [7, 3]
+    assert apportion([1, 1, 1], 10).tolist() == [4, 3, 3]
+    c = apportion([0.123, 0.456, 0.421], 1001)
+    assert c.sum() == 1001 and np.all(np.abs(c - np.array([0.123, 0.456, 0.421]) * 1001) < 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_blend_proportions_hold_in_every_prefix(seed):
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(2, 5))
+    w = rng.random(k) + 0.05
+    w /= w.sum()
+    n = int(rng.integers(500, 3000))
+    counts = apportion(w, n)
+    di, si = blend_indices(counts, block=97)  # many merge blocks
+    assert len(di) == n
+    seen = np.zeros((n, k))
+    seen[np.arange(n), di.astype(int)] = 1
+    prefix = np.cumsum(seen, 0)
+    share = np.arange(1, n + 1)[:, None] * (counts / n)[None, :]
+    assert np.abs(prefix - share).max() < 1.5  # smooth: about one sample off its share
+    for d in range(k):  # each dataset's samples used once, in order
+        assert si[di == d].tolist() == list(range(counts[d]))
+    a, b = blend_indices(counts, block=1 << 20)
+    assert np.array_equal(a, di) and np.array_equal(b, si)
+
+
+def test_two_dataset_blend_is_within_one_sample_everywhere():
+    di, _ = blend_indices(apportion([0.7, 0.3], 1000))
+    count_a = np.cumsum(di == 0)
+    assert np.abs(count_a - 0.7 * np.arange(1, 1001)).max() <= 1
+    assert count_a[-1] == 700
+
+
+def write_dataset(prefix, base, ndocs, seed):
+    """Document k of this dataset holds only the token ``base + k``."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for k in range(ndocs):
+            w.add_document(np.full(int(rng.integers(1, 30)), base + k, np.uint16))
+
+
+def blend_cfg(tmp_path, **train):
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    if not os.path.exists(a + ".idx"):
+        write_dataset(a, 0, 400, 1)
+        write_dataset(b, 1000, 300, 2)
+    t = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 25, "eval_interval": 10,
+         "eval_iters": 2, "seed": 3}
+    t.update(train)
+    return Config().replace(data={"data_path": ("0.7", a, "0.3", b), "split": "80,15,5"},
+                            model={"seq_length": 16, "vocab_size": 2000}, train=t)
+
+
+def test_blended_real_data_through_the_loader(tmp_path):
+    cfg = blend_cfg(tmp_path)
+    it = build_data_iterators(cfg, dp_rank=0, dp_size=1)
+    train = it.datasets["train"]
+    assert isinstance(train, BlendedDataset) and len(train) == 200
+    assert train.counts.tolist() == [140, 60]
+    # Samples come from the right dataset and only from that split's documents.
+    a_split = {"train": (0, 320), "valid": (320, 380), "test": (380, 400)}
+    b_split = {"train": (1000, 1240), "valid": (1240, 1285), "test": (1285, 1300)}
+    for name in ("train", "valid", "test"):
+        ds = it.datasets[name]
+        for i in range(len(ds)):
+            toks = ds[i]
+            src = int(ds.dataset_index[i])
+            lo, hi = (a_split if src == 0 else b_split)[name]
+            assert toks.min() >= lo and toks.max() < hi, (name, i, src)
+    cache = tmp_path / "cache" / "GPTDataset_indices"
+    assert len(list(cache.glob("*-description.json"))) == 9  # 3 splits x (2 parts + 1 blend)
+    again = build_data_iterators(cfg, dp_rank=0, dp_size=1)
+    assert isinstance(again.datasets["train"].dataset_index, np.memmap)
+    assert len(list(cache.glob("*-description.json"))) == 9
+
+
+def test_blended_resume_is_bit_identical(tmp_path):
+    cfg = blend_cfg(tmp_path)
+    full = [b["tokens"] for b in build_data_iterators(cfg, dp_rank=1, dp_size=2).train]
+    resumed = [b["tokens"] for b in build_data_iterators(cfg, dp_rank=1, dp_size=2,
+                                                         consumed_train_samples=80).train]
+    assert len(full) == 50 and len(resumed) == 30
+    assert all(torch.equal(x, y) for x, y in zip(full[20:], resumed))
+
+
+def test_data_cache_path_is_used(tmp_path):
+    cfg = blend_cfg(tmp_path)
+    cfg = cfg.replace(data={"data_cache_path": str(tmp_path / "elsewhere")})
+    build_data_iterators(cfg, dp_rank=0, dp_size=1)
+    assert len(list((tmp_path / "elsewhere").glob("*-description.json"))) == 9
+    assert not (tmp_path / "cache").exists()
