@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import os
 import sys
@@ -75,7 +76,7 @@ def build(out: str, min_chars: int = 80, max_docs: int | None = None) -> tuple[i
     docs = chars = 0
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            for source, text in (*pydoc_topics(), *stdlib_docstrings()):
+            for source, text in itertools.chain(pydoc_topics(), stdlib_docstrings()):
                 if len(text) < min_chars:
                     continue
                 f.write(json.dumps({"text": text, "source": source}, ensure_ascii=False) + "\n")
