@@ -104,6 +104,8 @@ def test_index_built_once_per_node(tmp_path, local_ranks):
     results = run_distributed(_build_on_rank, 2, str(tmp_path), local_ranks)
     (kind0, a), (kind1, b) = results
     assert a == b
-    assert kind0 == "ndarray"  # LOCAL_RANK 0 built it
-    assert kind1 == ("memmap" if local_ranks[1] else "ndarray")  # the other waited, then loaded
+    if local_ranks[1]:  # one node: LOCAL_RANK 0 built it, the other waited, then loaded it
+        assert (kind0, kind1) == ("ndarray", "memmap")
+    else:  # two nodes sharing the cache: each builds unless the other's complete set is there
+        assert "ndarray" in (kind0, kind1)
     assert len(list(tmp_path.glob("*.npy"))) == 3 and not list(tmp_path.glob("*tmp*"))
