@@ -91,7 +91,8 @@ class GPTSentencePieceTokenizer(_Base):
         return self.sp.EncodeAsIds(text)
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.Encode(texts, out_type=int)
+        # One thread: parallelism comes from processes (preprocess_data.py --workers).
+        return self.sp.Encode(texts, out_type=int, num_threads=1)
 
     def detokenize(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
@@ -147,7 +148,8 @@ class SentencePieceTokenizer(_Base):
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         plain = [i for i, t in enumerate(texts) if not self._has_special(t)]
         out: list[list[int] | None] = [None] * len(texts)
-        for i, ids in zip(plain, self.sp.Encode([texts[i] for i in plain], out_type=int)):
+        encoded = self.sp.Encode([texts[i] for i in plain], out_type=int, num_threads=1)
+        for i, ids in zip(plain, encoded):
             out[i] = ids
         for i, t in enumerate(texts):
             if out[i] is None:
