@@ -109,14 +109,18 @@ def cached_arrays(cache_dir: str | None, key: str, names: tuple[str, ...],
     if not os.path.isfile(done) and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         t0 = time.perf_counter()
         built = build()
-        os.makedirs(cache_dir, exist_ok=True)
-        for n in names:
-            _save_atomic(paths[n], built[n])
-        tmp = f"{done}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(description, f, indent=2, sort_keys=True)
-        os.replace(tmp, done)
-        log.info("built %s in %.2fs under %s", key, time.perf_counter() - t0, cache_dir)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for n in names:
+                _save_atomic(paths[n], built[n])
+            tmp = f"{done}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(description, f, indent=2, sort_keys=True)
+            os.replace(tmp, done)
+            log.info("built %s in %.2fs under %s", key, time.perf_counter() - t0, cache_dir)
+        except OSError as exc:  # a read-only data directory: every rank builds in memory
+            log.warning("cannot write the index cache under %s (%s); set data_cache_path to "
+                        "a writable directory to reuse it", cache_dir, exc)
     _barrier()
     if built is not None:
         return built

@@ -104,3 +104,12 @@ def test_gpt_dataset_samples_follow_the_document_stream(tmp_path):
     assert len(list(tmp_path.glob("*-description.json"))) == 2
     with pytest.raises(IndexError):
         ds[300]
+
+
+def test_unwritable_cache_falls_back_to_memory(tmp_path, caplog):
+    (tmp_path / "file").write_text("not a directory")
+    low = MockIndexedDataset(20, 100, 99, seed=1, max_length=20)
+    ds = GPTDataset(low, np.arange(20), 8, 30, seed=2, cache_dir=str(tmp_path / "file" / "c"))
+    ref = GPTDataset(low, np.arange(20), 8, 30, seed=2, cache_dir=None)
+    np.testing.assert_array_equal(ds.shuffle_index, ref.shuffle_index)
+    assert "cannot write the index cache" in caplog.text

@@ -4,6 +4,7 @@ identity normalization, bounded sampling, HF tokenizers when installed."""
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -108,3 +109,18 @@ def test_huggingface_tokenizer_json(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     hf = make_tokenizer("HuggingFaceTokenizer", str(tmp_path))
     assert hf.eod == 1 and hf.detokenize(hf.tokenize("hello")) == "hello"
+
+
+def test_unigram_with_identity_normalization(tmp_path):
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 7))) for _ in range(300)]
+    (tmp_path / "t.txt").write_text("".join(" ".join(rng.choices(words, k=12)) + "\n"
+                                            for _ in range(400)))
+    r = subprocess.run([sys.executable, TOOL, "--input", str(tmp_path / "t.txt"), "--output-prefix",
+                        str(tmp_path / "u"), "--vocab-size", "120", "--model-type", "unigram",
+                        "--no-pad"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "u.json").read_text())
+    assert manifest["model_type"] == "unigram" and manifest["special_ids"]["pad"] == -1
+    tok = make_tokenizer("GPTSentencePieceTokenizer", str(tmp_path / "u.model"))
+    assert tok.pad is None and tok.detokenize(tok.tokenize(words[3] + "  ab")) == words[3] + "  ab"
