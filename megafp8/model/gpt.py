@@ -114,7 +114,7 @@ class GPTModel(nn.Module):
             )
             self.output = nn.Parameter(full[r * n : (r + 1) * n].clone())
             if groups.tp > 1:
-                mark_tp(self.output, 0)
+                mark_tp(self.output, 0, "output", torch.arange(r * n, (r + 1) * n))
         self.rope = None
         if m.position_embedding_type == "rope":
             self._rope_cfg = (m.head_dim, m.rotary_base)

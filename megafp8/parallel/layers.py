@@ -35,8 +35,17 @@ def full_normal(shape, std: float, seed: int, device, dtype) -> torch.Tensor:
     )
 
 
-def mark_tp(p: nn.Parameter, dim: int) -> nn.Parameter:
+def mark_tp(p: nn.Parameter, dim: int, full_name: str, index: torch.Tensor) -> nn.Parameter:
+    """Mark a shard: ``p == full[full_name].index_select(dim, index)`` (read by the equivalence
+    tests and by resharding)."""
     p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+    p.full_name, p.full_index = full_name, index.cpu()
+    return p
+
+
+def mark_full(p: nn.Parameter, full_name: str) -> nn.Parameter:
+    """A parameter that equals the single-process model's ``full_name`` (replicated)."""
+    p.full_name = full_name
     return p
 
 
@@ -99,16 +108,17 @@ class ColumnParallelLinear(nn.Module):
             self.linear.weight.copy_(full[rows.to(dev)])
             if self.linear.bias is not None:
                 self.linear.bias.zero_()
-        if tp > 1 and weight_grad_group is None:
-            mark_tp(self.linear.weight, 0)
-            if self.linear.bias is not None:
-                mark_tp(self.linear.bias, 0)
-        elif weight_grad_group is not None:  # rows replicated within weight_grad_group
-            mark_tp(self.linear.weight, 0)
-            allreduce_grad_hook(self.linear.weight, weight_grad_group)
-            if self.linear.bias is not None:
-                mark_tp(self.linear.bias, 0)
-                allreduce_grad_hook(self.linear.bias, weight_grad_group)
+        self.rows = rows
+        params = [("weight", self.linear.weight), ("bias", self.linear.bias)]
+        for kind, p in params:
+            if p is None:
+                continue
+            if tp > 1 or len(rows) != out_features:
+                mark_tp(p, 0, f"{name}.linear.{kind}", rows)
+            else:
+                mark_full(p, f"{name}.linear.{kind}")
+            if weight_grad_group is not None:  # rows replicated within weight_grad_group
+                allreduce_grad_hook(p, weight_grad_group)
 
     @property
     def weight(self):
@@ -159,12 +169,18 @@ class RowParallelLinear(nn.Module):
             full = full_normal((out_features, in_features), std, param_seed(seed, name), dev, dtype)
             self.linear.weight.copy_(full[:, r * n : (r + 1) * n])
         if tp > 1:
-            mark_tp(self.linear.weight, 1)
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=dev)) if bias else None
-        )
-        if self.bias is not None and sequence_parallel:
-            allreduce_grad_hook(self.bias, tp_group)
+            mark_tp(
+                self.linear.weight, 1, f"{name}.linear.weight", torch.arange(r * n, (r + 1) * n)
+            )
+        else:
+            mark_full(self.linear.weight, f"{name}.linear.weight")
+        self.bias = None
+        if bias:
+            self.bias = mark_full(
+                nn.Parameter(torch.zeros(out_features, dtype=dtype, device=dev)), f"{name}.bias"
+            )
+            if sequence_parallel:
+                allreduce_grad_hook(self.bias, tp_group)
 
     @property
     def weight(self):
@@ -200,7 +216,9 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight = nn.Parameter(full[self.start : self.end].clone())
         if tp > 1:
-            mark_tp(self.weight, 0)
+            mark_tp(self.weight, 0, f"{name}.weight", torch.arange(self.start, self.end))
+        else:
+            mark_full(self.weight, f"{name}.weight")
 
     def forward(self, tokens):  # tokens: [b, s] or [s, b] -> [..., h]
         if M.world(self.tp_group) == 1:
