@@ -37,7 +37,7 @@ SHAPES = {
 PRECISIONS = ("bf16", "fp8")
 
 
-def case_config(shape: str, precision: str, recipe: str = "delayed"):
+def case_config(shape: str, precision: str, recipe: str = "delayed", fused_norm: bool = True):
     from megafp8.config import Config
 
     s = dict(SHAPES[shape])
@@ -59,7 +59,7 @@ def case_config(shape: str, precision: str, recipe: str = "delayed"):
             normalization="LayerNorm",
             **s,
         ),
-        fp8=dict(fp8_backend="te", **fp8),
+        fp8=dict(fp8_backend="te", te_fused_norm=fused_norm, **fp8),
         train=dict(micro_batch_size=micro, global_batch_size=gbs, train_iters=10**6, bf16=True),
         optim=dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=10, zero_stage=1),
         data=dict(mock_data=True),
@@ -67,13 +67,13 @@ def case_config(shape: str, precision: str, recipe: str = "delayed"):
     )
 
 
-def run_case(shape: str, precision: str, warmup: int, iters: int, recipe: str) -> dict:
+def run_case(shape, precision, warmup: int, iters: int, recipe: str, fused_norm: bool) -> dict:
     import torch
 
     from megafp8 import metrics
     from megafp8.train import build_run, init_distributed, train_step
 
-    cfg = case_config(shape, precision, recipe)
+    cfg = case_config(shape, precision, recipe, fused_norm)
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
     it = iter(run.data.train)
@@ -115,6 +115,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--recipe", default="delayed", choices=("delayed", "tensorwise"))
     ap.add_argument("--json", help="write all rows here")
+    ap.add_argument(
+        "--no-te-fused-norm",
+        dest="fused_norm",
+        action="store_false",
+        help="norms as separate kernels instead of TE's LayerNormLinear",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
     a = ap.parse_args()
     if a.one:

@@ -48,8 +48,9 @@ def parse_split(split: str) -> list[float]:
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
-        raise ValueError(f"split={split!r} must be comma-separated numbers like '969,30,1'") \
-            from None
+        raise ValueError(
+            f"split={split!r} must be comma-separated numbers like '969,30,1'"
+        ) from None
     if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ValueError(f"split={split!r}: up to three non-negative numbers with a positive sum")
     parts += [0.0] * (3 - len(parts))
@@ -104,8 +105,8 @@ def blend_indices(counts, block: int = _BLOCK) -> tuple[np.ndarray, np.ndarray]:
         times = (ks_all + 0.5) / counts[ds.astype(np.int64)]
         order = np.lexsort((ds, times))
         n = len(order)
-        dataset_index[pos:pos + n] = ds[order]
-        sample_index[pos:pos + n] = ks_all[order]
+        dataset_index[pos : pos + n] = ds[order]
+        sample_index[pos : pos + n] = ks_all[order]
         pos += n
         done = upto
     return dataset_index, sample_index
@@ -119,8 +120,9 @@ class BlendedDataset:
         self.counts = np.asarray(counts, np.int64)
         for d, (ds, c) in enumerate(zip(datasets, self.counts)):
             if c and (ds is None or len(ds) < c):
-                raise ValueError(f"{name}: blend part {d} needs {c} samples, has "
-                                 f"{0 if ds is None else len(ds)}")
+                raise ValueError(
+                    f"{name}: blend part {d} needs {c} samples, has {0 if ds is None else len(ds)}"
+                )
         desc = {"class": "BlendedDataset", "counts": self.counts.tolist(), "name": name}
         key = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=16).hexdigest()
 
@@ -128,8 +130,9 @@ class BlendedDataset:
             di, si = blend_indices(self.counts)
             return {"dataset_index": di, "dataset_sample_index": si}
 
-        arrays = cached_arrays(cache_dir, f"{key}-{name}-blend",
-                               ("dataset_index", "dataset_sample_index"), build, desc)
+        arrays = cached_arrays(
+            cache_dir, f"{key}-{name}-blend", ("dataset_index", "dataset_sample_index"), build, desc
+        )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
 

@@ -69,8 +69,9 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     return out
 
 
-def build_shuffle_index(num_samples_total: int, seq_length: int, tokens_per_epoch: int,
-                        rng: np.random.Generator) -> np.ndarray:
+def build_shuffle_index(
+    num_samples_total: int, seq_length: int, tokens_per_epoch: int, rng: np.random.Generator
+) -> np.ndarray:
     """Samples permuted within each epoch (the epoch of their first token), epochs in order."""
     epoch = np.arange(num_samples_total, dtype=np.int64) * seq_length // tokens_per_epoch
     order = np.lexsort((rng.random(num_samples_total), epoch))
@@ -93,8 +94,13 @@ def _save_atomic(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def cached_arrays(cache_dir: str | None, key: str, names: tuple[str, ...],
-                  build: Callable[[], dict[str, np.ndarray]], description: dict):
+def cached_arrays(
+    cache_dir: str | None,
+    key: str,
+    names: tuple[str, ...],
+    build: Callable[[], dict[str, np.ndarray]],
+    description: dict,
+):
     """Load ``names`` from ``cache_dir/key-*.npy`` (mmap), building them once per node if absent.
 
     LOCAL_RANK 0 builds and writes (each array atomically, the description last, which marks the
@@ -119,8 +125,12 @@ def cached_arrays(cache_dir: str | None, key: str, names: tuple[str, ...],
             os.replace(tmp, done)
             log.info("built %s in %.2fs under %s", key, time.perf_counter() - t0, cache_dir)
         except OSError as exc:  # a read-only data directory: every rank builds in memory
-            log.warning("cannot write the index cache under %s (%s); set data_cache_path to "
-                        "a writable directory to reuse it", cache_dir, exc)
+            log.warning(
+                "cannot write the index cache under %s (%s); set data_cache_path to "
+                "a writable directory to reuse it",
+                cache_dir,
+                exc,
+            )
     _barrier()
     if built is not None:
         return built
@@ -137,12 +147,13 @@ class MockIndexedDataset:
     ``[1, max_length]`` with ``max_length < vocab_size`` so every token id is below the vocab.
     """
 
-    def __init__(self, num_sequences: int, vocab_size: int, eod: int, seed: int,
-                 max_length: int):
+    def __init__(self, num_sequences: int, vocab_size: int, eod: int, seed: int, max_length: int):
         max_length = min(max_length, vocab_size - 1)
         if max_length < 1 or not 0 <= eod < vocab_size:
-            raise ValueError(f"mock data needs vocab_size >= 2 and 0 <= eod < vocab "
-                             f"(vocab_size={vocab_size}, eod={eod})")
+            raise ValueError(
+                f"mock data needs vocab_size >= 2 and 0 <= eod < vocab "
+                f"(vocab_size={vocab_size}, eod={eod})"
+            )
         rng = np.random.default_rng(seed)
         self.sequence_lengths = rng.integers(1, max_length + 1, num_sequences).astype(np.int32)
         self.eod = eod
@@ -167,8 +178,16 @@ class GPTDataset:
     this split. ``cache_dir=None`` builds the indices in memory.
     """
 
-    def __init__(self, low, documents: np.ndarray, seq_length: int, num_samples: int, seed: int,
-                 cache_dir: str | None = None, name: str = "train"):
+    def __init__(
+        self,
+        low,
+        documents: np.ndarray,
+        seq_length: int,
+        num_samples: int,
+        seed: int,
+        cache_dir: str | None = None,
+        name: str = "train",
+    ):
         if num_samples < 1:
             raise ValueError(f"{name}: num_samples={num_samples} must be >= 1")
         self.low, self.seq_length, self.num_samples, self.name = low, seq_length, num_samples, name
@@ -176,13 +195,22 @@ class GPTDataset:
         sizes = np.asarray(low.sequence_lengths)
         tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
         epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
-        desc = {"class": "GPTDataset", "version": INDEX_VERSION, "seq_length": seq_length,
-                "num_samples": num_samples, "seed": seed, "name": name,
-                "documents": [int(documents[0]), int(documents[-1]) + 1, len(documents)],
-                "dataset": getattr(low, "prefix", "mock"), "epochs": epochs,
-                "tokens_per_epoch": tokens_per_epoch}
-        h = hashlib.blake2b(json.dumps({k: v for k, v in desc.items() if k != "dataset"},
-                                       sort_keys=True).encode(), digest_size=16)
+        desc = {
+            "class": "GPTDataset",
+            "version": INDEX_VERSION,
+            "seq_length": seq_length,
+            "num_samples": num_samples,
+            "seed": seed,
+            "name": name,
+            "documents": [int(documents[0]), int(documents[-1]) + 1, len(documents)],
+            "dataset": getattr(low, "prefix", "mock"),
+            "epochs": epochs,
+            "tokens_per_epoch": tokens_per_epoch,
+        }
+        h = hashlib.blake2b(
+            json.dumps({k: v for k, v in desc.items() if k != "dataset"}, sort_keys=True).encode(),
+            digest_size=16,
+        )
         h.update(np.ascontiguousarray(sizes[documents]).tobytes())
         h.update(np.ascontiguousarray(documents).tobytes())
         key = f"{h.hexdigest()}-{name}"
@@ -192,18 +220,24 @@ class GPTDataset:
             doc_index = build_document_index(documents, epochs, rng)
             sample_index = build_sample_index(sizes, doc_index, seq_length)
             shuffle = build_shuffle_index(len(sample_index) - 1, seq_length, tokens_per_epoch, rng)
-            return {"document_index": doc_index, "sample_index": sample_index,
-                    "shuffle_index": shuffle}
+            return {
+                "document_index": doc_index,
+                "sample_index": sample_index,
+                "shuffle_index": shuffle,
+            }
 
-        arrays = cached_arrays(cache_dir, key, ("document_index", "sample_index", "shuffle_index"),
-                               build, desc)
+        arrays = cached_arrays(
+            cache_dir, key, ("document_index", "sample_index", "shuffle_index"), build, desc
+        )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
         self.epochs = epochs
         if len(self.shuffle_index) < num_samples:
-            raise RuntimeError(f"{name}: index holds {len(self.shuffle_index)} samples, "
-                               f"fewer than the {num_samples} asked for")
+            raise RuntimeError(
+                f"{name}: index holds {len(self.shuffle_index)} samples, "
+                f"fewer than the {num_samples} asked for"
+            )
 
     def __len__(self) -> int:
         return self.num_samples

@@ -33,8 +33,16 @@ MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-          7: np.float32, 8: np.uint16}
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 DTYPE_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 _SPOOL_ITEMS = 1 << 20  # entries buffered in memory before the index spools them to disk
 
@@ -67,13 +75,16 @@ def read_header(idx_path: str) -> tuple[np.dtype, int, int]:
     if head[: len(LEGACY_MAGIC)] == LEGACY_MAGIC:
         raise IndexFormatError(
             f"{idx_path}: legacy Megatron 'TNTIDX' (lazy/cached IndexedDataset) index; only the "
-            "MMIDIDX format is read: re-run preprocess_data.py on the text")
+            "MMIDIDX format is read: re-run preprocess_data.py on the text"
+        )
     if head[: len(MAGIC)] != MAGIC:
-        raise IndexFormatError(f"{idx_path}: not a Megatron MMIDIDX index (magic "
-                               f"{head[:len(MAGIC)]!r}, expected {MAGIC!r})")
+        raise IndexFormatError(
+            f"{idx_path}: not a Megatron MMIDIDX index (magic "
+            f"{head[: len(MAGIC)]!r}, expected {MAGIC!r})"
+        )
     if len(head) < HEADER_SIZE:
         raise IndexFormatError(f"{idx_path}: truncated header ({len(head)} of {HEADER_SIZE} bytes)")
-    version, code, n, m = struct.unpack("<QBQQ", head[len(MAGIC):])
+    version, code, n, m = struct.unpack("<QBQQ", head[len(MAGIC) :])
     if version != VERSION:
         raise IndexFormatError(f"{idx_path}: index version {version}, expected {VERSION}")
     if code not in DTYPES:
@@ -98,24 +109,31 @@ class IndexedDataset:
         expected = HEADER_SIZE + 4 * n + 8 * n + 8 * m
         size = os.path.getsize(idx_path)
         if size != expected:
-            raise IndexFormatError(f"{idx_path}: {size} bytes, but its header (N={n} sequences, "
-                                   f"M={m} document entries) needs {expected}: "
-                                   f"{'truncated' if size < expected else 'trailing bytes'}")
+            raise IndexFormatError(
+                f"{idx_path}: {size} bytes, but its header (N={n} sequences, "
+                f"M={m} document entries) needs {expected}: "
+                f"{'truncated' if size < expected else 'trailing bytes'}"
+            )
         self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
         off = HEADER_SIZE
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, n, off)
         self.sequence_pointers = np.frombuffer(self._idx, np.int64, n, off + 4 * n)
         self.document_indices = np.frombuffer(self._idx, np.int64, m, off + 12 * n)
         bin_size = os.path.getsize(bin_path)
-        self._bin = (np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size
-                     else np.empty(0, np.uint8))
+        self._bin = (
+            np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
+        )
         if validate:
             self.validate()
 
     def validate(self) -> None:
         """Raise IndexFormatError unless lengths, pointers, doc index and .bin size agree."""
-        idx, lengths, ptrs, docs = (index_file_path(self.prefix), self.sequence_lengths,
-                                    self.sequence_pointers, self.document_indices)
+        idx, lengths, ptrs, docs = (
+            index_file_path(self.prefix),
+            self.sequence_lengths,
+            self.sequence_pointers,
+            self.document_indices,
+        )
         n, item = len(lengths), self.dtype.itemsize
         if n and lengths.min() < 0:
             i = int(np.argmin(lengths))
@@ -126,16 +144,22 @@ class IndexedDataset:
         bad = np.flatnonzero(ptrs != expect)
         if bad.size:
             i = int(bad[0])
-            raise IndexFormatError(f"{idx}: pointer of sequence {i} is {ptrs[i]}, expected "
-                                   f"{expect[i]} (sum of the previous lengths x {item} bytes)")
+            raise IndexFormatError(
+                f"{idx}: pointer of sequence {i} is {ptrs[i]}, expected "
+                f"{expect[i]} (sum of the previous lengths x {item} bytes)"
+            )
         need = int(expect[-1]) + int(lengths[-1]) * item if n else 0
         bin_size = len(self._bin)
         if bin_size != need:
-            raise IndexFormatError(f"{data_file_path(self.prefix)}: {bin_size} bytes, the index "
-                                   f"describes {need} ({n} sequences of {self.dtype.name})")
+            raise IndexFormatError(
+                f"{data_file_path(self.prefix)}: {bin_size} bytes, the index "
+                f"describes {need} ({n} sequences of {self.dtype.name})"
+            )
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != n:
-            raise IndexFormatError(f"{idx}: document index must run from 0 to N={n}, got "
-                                   f"{docs[:1].tolist()}...{docs[-1:].tolist()}")
+            raise IndexFormatError(
+                f"{idx}: document index must run from 0 to N={n}, got "
+                f"{docs[:1].tolist()}...{docs[-1:].tolist()}"
+            )
         step = np.flatnonzero(np.diff(docs) < 0)
         if step.size:
             raise IndexFormatError(f"{idx}: document index decreases at entry {int(step[0]) + 1}")
@@ -162,8 +186,11 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"sequence {i} has {size} tokens; asked [{offset}, {offset + length})")
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start) if length else \
-            np.empty(0, self.dtype)
+        return (
+            np.frombuffer(self._bin, self.dtype, length, start)
+            if length
+            else np.empty(0, self.dtype)
+        )
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(int(i))
@@ -285,10 +312,10 @@ class IndexedDatasetWriter:
             raise ValueError(f"{prefix}: dtype {other.dtype}, this dataset is {self.dtype}")
         start = self._lengths.count
         for lo in range(0, len(other), _SPOOL_ITEMS):
-            self._lengths.extend(other.sequence_lengths[lo:lo + _SPOOL_ITEMS])
+            self._lengths.extend(other.sequence_lengths[lo : lo + _SPOOL_ITEMS])
         docs = other.document_indices
         for lo in range(1, len(docs), _SPOOL_ITEMS):
-            self._docs.extend(docs[lo:lo + _SPOOL_ITEMS] + start)
+            self._docs.extend(docs[lo : lo + _SPOOL_ITEMS] + start)
         _append_file(data_file_path(prefix), self._bin)
         self.num_tokens += other.num_tokens
 
@@ -326,8 +353,13 @@ class IndexedDatasetWriter:
             os.remove(final_idx)  # never pair the new .bin with an old .idx
         os.replace(self._bin_tmp, data_file_path(self.prefix))
         os.replace(self._idx_tmp, final_idx)
-        log.info("wrote %s.{bin,idx}: %d sequences, %d documents, %d tokens", self.prefix, n,
-                 m - 1, self.num_tokens)
+        log.info(
+            "wrote %s.{bin,idx}: %d sequences, %d documents, %d tokens",
+            self.prefix,
+            n,
+            m - 1,
+            self.num_tokens,
+        )
 
     def abort(self) -> None:
         """Remove every temporary file; the final names are left untouched."""

@@ -40,8 +40,12 @@ def expand_inputs(specs, suffixes=SUFFIXES) -> list[str]:
     found: list[str] = []
     for spec in specs:
         if os.path.isdir(spec):
-            hits = [os.path.join(root, f) for root, _, names in os.walk(spec) for f in names
-                    if f.endswith(suffixes)]
+            hits = [
+                os.path.join(root, f)
+                for root, _, names in os.walk(spec)
+                for f in names
+                if f.endswith(suffixes)
+            ]
             if not hits:
                 raise InputError(f"{spec}: directory holds no {'/'.join(suffixes)} file")
         elif os.path.isfile(spec):
@@ -65,8 +69,9 @@ def compression_of(path: str) -> str | None:
         return named
     if named is None:
         hint = f"; rename it to end in {_SUFFIX_OF[actual]}" if actual in _SUFFIX_OF else ""
-        raise InputError(f"{path}:1: holds {actual}-compressed data but its name has no "
-                         f"compression suffix{hint}")
+        raise InputError(
+            f"{path}:1: holds {actual}-compressed data but its name has no compression suffix{hint}"
+        )
     what = f"{actual}-compressed data" if actual else "uncompressed bytes"
     raise InputError(f"{path}:1: named as {named} ({_SUFFIX_OF[named]}) but holds {what}")
 
@@ -166,8 +171,15 @@ def iter_blocks(path: str, block_bytes: int = 1 << 20):
 
 
 def _json_type(value) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def parse_line(raw: bytes, keys) -> tuple[list[list[str]] | None, str | None]:
@@ -194,8 +206,10 @@ def parse_line(raw: bytes, keys) -> tuple[list[list[str]] | None, str | None]:
         if isinstance(value, str):
             value = [value]
         elif not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            return None, (f"key {key!r} must be a string (or a list of strings), got a JSON "
-                          f"{_json_type(value)}")
+            return None, (
+                f"key {key!r} must be a string (or a list of strings), got a JSON "
+                f"{_json_type(value)}"
+            )
         if b"\\u" in raw or b"\\U" in raw:  # escapes can smuggle lone surrogates into the text
             for v in value:
                 try:

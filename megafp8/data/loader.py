@@ -48,8 +48,9 @@ def _mock_low(cfg, tokenizer):
     else:
         vocab = cfg.model.vocab_size or DEFAULT_MOCK_VOCAB_SIZE
         eod = vocab - 1
-    return MockIndexedDataset(MOCK_NUM_SEQUENCES, vocab, eod, cfg.train.seed,
-                              max_length=4 * cfg.model.seq_length)
+    return MockIndexedDataset(
+        MOCK_NUM_SEQUENCES, vocab, eod, cfg.train.seed, max_length=4 * cfg.model.seq_length
+    )
 
 
 def _cache_dir(cfg, prefix: str) -> str:
@@ -66,8 +67,10 @@ def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None
     if cfg.data.mock_data:
         parts = [(1.0, _mock_low(cfg, tokenizer), None)]
     else:
-        parts = [(w, IndexedDataset(p), _cache_dir(cfg, p))
-                 for w, p in parse_data_path(cfg.data.data_path)]
+        parts = [
+            (w, IndexedDataset(p), _cache_dir(cfg, p))
+            for w, p in parse_data_path(cfg.data.data_path)
+        ]
     out: dict[str, object | None] = {}
     for s, name in enumerate(SPLITS):
         ranges = [split_ranges(len(low), fractions)[s] for _, low, _ in parts]
@@ -95,8 +98,11 @@ def _collate(samples: list[np.ndarray]) -> dict:
     import torch
 
     batch = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
-    return {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous(),
-            "loss_mask": torch.ones(batch.shape[0], batch.shape[1] - 1, dtype=torch.float32)}
+    return {
+        "tokens": batch[:, :-1].contiguous(),
+        "labels": batch[:, 1:].contiguous(),
+        "loss_mask": torch.ones(batch.shape[0], batch.shape[1] - 1, dtype=torch.float32),
+    }
 
 
 def rank_sample_ids(start: int, end: int, micro: int, dp_rank: int, dp_size: int):
@@ -107,8 +113,9 @@ def rank_sample_ids(start: int, end: int, micro: int, dp_rank: int, dp_size: int
         yield list(range(lo, lo + micro))
 
 
-def micro_batches(dataset, start: int, end: int, micro: int, dp_rank: int, dp_size: int,
-                  num_workers: int = 0) -> Iterator[dict]:
+def micro_batches(
+    dataset, start: int, end: int, micro: int, dp_rank: int, dp_size: int, num_workers: int = 0
+) -> Iterator[dict]:
     """This rank's micro-batches over samples ``[start, end)`` of ``dataset``."""
     if num_workers <= 0:
         for ids in rank_sample_ids(start, end, micro, dp_rank, dp_size):
@@ -117,8 +124,13 @@ def micro_batches(dataset, start: int, end: int, micro: int, dp_rank: int, dp_si
     import torch.utils.data as tud
 
     batches = list(rank_sample_ids(start, end, micro, dp_rank, dp_size))
-    yield from tud.DataLoader(_TorchView(dataset), batch_sampler=batches, num_workers=num_workers,
-                              collate_fn=_collate, persistent_workers=False)
+    yield from tud.DataLoader(
+        _TorchView(dataset),
+        batch_sampler=batches,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        persistent_workers=False,
+    )
 
 
 class _TorchView:
@@ -151,8 +163,9 @@ class DataIterators:
         ds = self.datasets.get(name)
         if ds is None:
             return None
-        return micro_batches(ds, start, len(ds), self.micro_batch_size, self.dp_rank,
-                             self.dp_size, self.num_workers)
+        return micro_batches(
+            ds, start, len(ds), self.micro_batch_size, self.dp_rank, self.dp_size, self.num_workers
+        )
 
     def valid_iterator(self) -> Iterator[dict] | None:
         """A fresh validation iterator from its first sample (every eval pass sees the same)."""
@@ -162,20 +175,25 @@ class DataIterators:
         return self._iterator("test")
 
 
-def build_data_iterators(cfg, *, dp_rank: int, dp_size: int, consumed_train_samples: int = 0,
-                         tokenizer=None) -> DataIterators:
+def build_data_iterators(
+    cfg, *, dp_rank: int, dp_size: int, consumed_train_samples: int = 0, tokenizer=None
+) -> DataIterators:
     """Build the run's datasets and this rank's iterators; train resumes after consumed samples."""
     micro = cfg.train.micro_batch_size
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} outside [0, dp_size={dp_size})")
     if consumed_train_samples % (micro * dp_size):
-        raise ValueError(f"consumed_train_samples={consumed_train_samples} is not a multiple of "
-                         f"micro_batch_size={micro} x dp_size={dp_size}")
+        raise ValueError(
+            f"consumed_train_samples={consumed_train_samples} is not a multiple of "
+            f"micro_batch_size={micro} x dp_size={dp_size}"
+        )
     datasets = build_datasets(cfg, dp_size, tokenizer)
     train = datasets["train"]
     if train is not None and consumed_train_samples > len(train):
-        raise ValueError(f"consumed_train_samples={consumed_train_samples} exceeds the "
-                         f"{len(train)} training samples of this run")
+        raise ValueError(
+            f"consumed_train_samples={consumed_train_samples} exceeds the "
+            f"{len(train)} training samples of this run"
+        )
     it = DataIterators(None, None, None, datasets, micro, dp_rank, dp_size, cfg.data.num_workers)
     it.train = it._iterator("train", consumed_train_samples)
     it.valid = it._iterator("valid")

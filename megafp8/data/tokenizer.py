@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import os
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
-                   "NullTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
 DEFAULT_MOCK_VOCAB_SIZE = 512  # NullTokenizer size for mock data when no vocab size is given
 _HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<EOD>", "<eos>", "<|eot_id|>")
 
@@ -83,8 +87,10 @@ class GPTSentencePieceTokenizer(_Base):
         self.vocab_size = self.sp.GetPieceSize()
         self.eod = self.sp.eos_id()
         if self.eod < 0:
-            raise ValueError(f"{model_path}: the model has no eos piece, which "
-                             "GPTSentencePieceTokenizer uses as EOD; use SentencePieceTokenizer")
+            raise ValueError(
+                f"{model_path}: the model has no eos piece, which "
+                "GPTSentencePieceTokenizer uses as EOD; use SentencePieceTokenizer"
+            )
         self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
 
     def tokenize(self, text: str) -> list[int]:
@@ -119,9 +125,11 @@ class SentencePieceTokenizer(_Base):
         for piece in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
             add(piece)
         ids = {}
-        for name, sid, default in (("pad", self.sp.pad_id(), "<PAD>"),
-                                   ("bos", self.sp.bos_id(), "<BOS>"),
-                                   ("eos", self.sp.eos_id(), "<EOS>")):
+        for name, sid, default in (
+            ("pad", self.sp.pad_id(), "<PAD>"),
+            ("bos", self.sp.bos_id(), "<BOS>"),
+            ("eos", self.sp.eos_id(), "<EOS>"),
+        ):
             ids[name] = add(self.sp.IdToPiece(sid) if 0 <= sid < n else default)
         self.vocab_size = len(self._vocab)
         self.eod = self.special["<EOD>"]
@@ -139,7 +147,7 @@ class SentencePieceTokenizer(_Base):
             rest = text[idx:]
             found = {s: rest.index(s) for s in self.special if s in rest}
             tok = min(found, key=lambda s: (found[s], -len(s)))
-            out.extend(self.sp.EncodeAsIds(rest[:found[tok]]))
+            out.extend(self.sp.EncodeAsIds(rest[: found[tok]]))
             out.append(self.special[tok])
             idx += found[tok] + len(tok)
         out.extend(self.sp.EncodeAsIds(text[idx:]))
@@ -176,8 +184,9 @@ class HuggingFaceTokenizer(_Base):
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:
-            raise ValueError("HuggingFaceTokenizer needs the 'tokenizers' package "
-                             "(pip install tokenizers)") from exc
+            raise ValueError(
+                "HuggingFaceTokenizer needs the 'tokenizers' package (pip install tokenizers)"
+            ) from exc
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
@@ -189,8 +198,9 @@ class HuggingFaceTokenizer(_Base):
         if not eods:
             raise ValueError(f"{path}: no end-of-document token among {list(_HF_EOD_CANDIDATES)}")
         self.eod = eods[0]
-        self.pad = next((vocab[t] for t in ("<pad>", "<|pad|>", "[PAD]", "<PAD>") if t in vocab),
-                        None)
+        self.pad = next(
+            (vocab[t] for t in ("<pad>", "<|pad|>", "[PAD]", "<PAD>") if t in vocab), None
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -202,23 +212,27 @@ class HuggingFaceTokenizer(_Base):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def make_tokenizer(tokenizer_type: str | None, tokenizer_model: str | None = None,
-                   vocab_size: int | None = None):
+def make_tokenizer(
+    tokenizer_type: str | None, tokenizer_model: str | None = None, vocab_size: int | None = None
+):
     """Build a tokenizer by Megatron type name; None picks SentencePiece with a model, else Null."""
     if tokenizer_type is None:
         tokenizer_type = "SentencePieceTokenizer" if tokenizer_model else "NullTokenizer"
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(f"tokenizer_type={tokenizer_type!r} must be one of "
-                         f"{list(TOKENIZER_TYPES)}")
+        raise ValueError(
+            f"tokenizer_type={tokenizer_type!r} must be one of {list(TOKENIZER_TYPES)}"
+        )
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs a vocab size (--vocab-size)")
         return NullTokenizer(vocab_size)
     if not tokenizer_model:
         raise ValueError(f"{tokenizer_type} needs a model file (--tokenizer-model)")
-    cls = {"SentencePieceTokenizer": SentencePieceTokenizer,
-           "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
-           "HuggingFaceTokenizer": HuggingFaceTokenizer}[tokenizer_type]
+    cls = {
+        "SentencePieceTokenizer": SentencePieceTokenizer,
+        "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+        "HuggingFaceTokenizer": HuggingFaceTokenizer,
+    }[tokenizer_type]
     return cls(tokenizer_model)
 
 

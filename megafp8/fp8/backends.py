@@ -111,10 +111,12 @@ class LocalLinear(nn.Module):
 
 
 class Backend:
-    """The protocol. ``fp8`` says whether this backend's GEMMs are FP8 at all."""
+    """The protocol. ``fp8`` says whether this backend's GEMMs are FP8 at all; ``fuses_norm``
+    whether ``make_norm_linear`` exists (a norm fused into the GEMM that follows it)."""
 
     name = "none"
     fp8 = False
+    fuses_norm = False
 
     def make_linear(
         self,
@@ -211,7 +213,7 @@ class TEBackend(Backend):
 
     name, fp8 = "te", True
 
-    def __init__(self, recipe: Fp8Recipe | None, amax_group=None):
+    def __init__(self, recipe: Fp8Recipe | None, amax_group=None, fused_norm: bool = True):
         import transformer_engine.common.recipe as ter
         import transformer_engine.pytorch as te
 
@@ -219,6 +221,7 @@ class TEBackend(Backend):
         self.fp8 = recipe is not None
         self.amax_group = amax_group
         self.te_recipe = None
+        self.fuses_norm = fused_norm
         if recipe is not None:
             fmt = ter.Format.HYBRID if recipe.fp8_format == "hybrid" else ter.Format.E4M3
             if recipe.recipe == "delayed":
@@ -256,6 +259,21 @@ class TEBackend(Backend):
             device=device,
         )
 
+    def make_norm_linear(
+        self, in_features, out_features, bias, *, normalization, eps, fp8=True, dtype, device
+    ):
+        return TELinear(
+            self.te,
+            in_features,
+            out_features,
+            bias,
+            fp8=fp8 and self.fp8,
+            recipe=self.te_recipe,
+            dtype=dtype,
+            device=device,
+            norm=(normalization, eps),
+        )
+
     def autocast(self):
         if not self.fp8:
             return contextlib.nullcontext()
@@ -265,19 +283,23 @@ class TEBackend(Backend):
 
 
 class TELinear(nn.Module):
-    """A te.Linear whose ``weight``/``bias`` are the local shard; outside FP8 for BF16 layers."""
+    """A te.Linear (or, with ``norm``, a te.LayerNormLinear: the norm and the FP8 cast of its output
+    in one kernel) whose ``weight``/``bias`` are the local shard; outside FP8 for BF16 layers."""
 
-    def __init__(self, te, in_features, out_features, bias, *, fp8, recipe, dtype, device):
+    def __init__(
+        self, te, in_features, out_features, bias, *, fp8, recipe, dtype, device, norm=None
+    ):
         super().__init__()
         self.fp8, self.te = fp8, te
-        self.inner = te.Linear(
-            in_features,
-            out_features,
-            bias=bias,
-            params_dtype=dtype,
-            device=device or "cuda",
-            init_method=lambda w: None,
+        kw = dict(
+            bias=bias, params_dtype=dtype, device=device or "cuda", init_method=lambda w: None
         )
+        if norm is None:
+            self.inner = te.Linear(in_features, out_features, **kw)
+        else:
+            self.inner = te.LayerNormLinear(
+                in_features, out_features, eps=norm[1], normalization=norm[0], **kw
+            )
         self.weight = self.inner.weight
         self.bias = self.inner.bias if bias else None
 
@@ -321,7 +343,7 @@ def build_backend(f, amax_group=None, tp_group=None) -> Backend:
     if name == "te":
         if not importlib.util.find_spec("transformer_engine"):
             raise ValueError("fp8_backend='te' needs Transformer Engine: pip install -e .[te]")
-        return TEBackend(recipe, amax_group)
+        return TEBackend(recipe, amax_group, fused_norm=f.te_fused_norm)
     if name == "torch":
         if recipe is None:
             return Backend()

@@ -54,6 +54,7 @@ class SelfAttention(nn.Module):
         device,
         rng=None,
         kv_group=None,
+        norm=None,
     ):
         super().__init__()
         m, sp = cfg.model, cfg.parallel.sequence_parallel
@@ -82,9 +83,12 @@ class SelfAttention(nn.Module):
                 qkv_out,
                 name=f"{name}.qkv",
                 rows=qkv_rows(self.heads, self.kv, self.hd, tp, r),
+                norm=norm,
                 **kw,
             )
         else:  # tp > kv: q split by heads, k/v of this rank's group replicated
+            if norm is not None:
+                raise ValueError("a fused norm needs the fused QKV projection (tp <= kv heads)")
             g = r * self.kv // tp
             hpg = self.heads // self.kv
             base = g * (hpg + 2) * self.hd

@@ -45,22 +45,13 @@ class TransformerBlock(nn.Module):
         kv_group=None,
     ):
         super().__init__()
-        self.norm1 = make_norm(cfg, backend, groups, dtype, device)
-        self.attn = SelfAttention(
-            cfg,
-            backend=backend,
-            groups=groups,
-            layer=layer,
-            seed=seed,
-            fp8=fp8,
-            dtype=dtype,
-            device=device,
-            rng=rng,
-            kv_group=kv_group,
-        )
-        self.norm2 = make_norm(cfg, backend, groups, dtype, device)
-        self.mlp = MLP(
-            cfg,
+        m = cfg.model
+        # Backends that fuse the norm into the next GEMM (TE's LayerNormLinear) get it there; not
+        # under SP, where the norm must run on sequence shards before the all-gather.
+        fuse = backend.fuses_norm and not cfg.parallel.sequence_parallel
+        norm = (m.normalization, m.norm_epsilon) if fuse else None
+        attn_norm = norm if m.kv_heads % groups.tp == 0 else None
+        kw = dict(
             backend=backend,
             groups=groups,
             layer=layer,
@@ -69,6 +60,10 @@ class TransformerBlock(nn.Module):
             dtype=dtype,
             device=device,
         )
+        self.norm1 = nn.Identity() if attn_norm else make_norm(cfg, backend, groups, dtype, device)
+        self.attn = SelfAttention(cfg, rng=rng, kv_group=kv_group, norm=attn_norm, **kw)
+        self.norm2 = nn.Identity() if norm else make_norm(cfg, backend, groups, dtype, device)
+        self.mlp = MLP(cfg, norm=norm, **kw)
         self.p = cfg.model.hidden_dropout
         self.sp, self.rng = cfg.parallel.sequence_parallel, rng
 

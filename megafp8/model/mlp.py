@@ -11,7 +11,9 @@ from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device):
+    def __init__(
+        self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device, norm=None
+    ):
         super().__init__()
         m = cfg.model
         tp_group, tp = groups.tp_group, M.world(groups.tp_group)
@@ -36,7 +38,13 @@ class MLP(nn.Module):
             )
         out1 = 2 * m.ffn if m.swiglu else m.ffn
         self.fc1 = ColumnParallelLinear(
-            m.hidden_size, out1, name=f"{name}.fc1", rows=rows, std=m.init_method_std, **kw
+            m.hidden_size,
+            out1,
+            name=f"{name}.fc1",
+            rows=rows,
+            std=m.init_method_std,
+            norm=norm,
+            **kw,
         )
         self.fc2 = RowParallelLinear(
             m.ffn,

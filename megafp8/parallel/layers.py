@@ -61,9 +61,9 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows (output features): rank r holds ``rows`` of the full A.
 
     Forward: x is copied to (or, under SP, all-gathered along the sequence into) the TP region; the
-    output stays split along its last dim. Backward: the input gradient is all-reduced (or,
-    under SP,
-    reduce-scattered along the sequence). ``rows`` defaults to this rank's contiguous chunk.
+    output stays split along its last dim. Backward: the input gradient is all-reduced (or, under
+    SP, reduce-scattered along the sequence). ``rows`` defaults to this rank's contiguous chunk.
+    ``norm=(kind, eps)`` fuses that norm in front of the GEMM (backends with ``fuses_norm``).
     """
 
     def __init__(
@@ -83,25 +83,40 @@ class ColumnParallelLinear(nn.Module):
         dtype=torch.float32,
         device=None,
         fp8=True,
+        norm: tuple[str, float] | None = None,
     ):
         super().__init__()
         tp, r = M.world(tp_group), M.rank_in(tp_group)
+        if norm is not None and sequence_parallel:
+            raise ValueError(f"{name}: a fused norm would run on the gathered sequence under SP")
         if rows is None:
             if out_features % tp:
                 raise ValueError(f"{name}: out_features={out_features} not divisible by tp={tp}")
             n = out_features // tp
             rows = torch.arange(r * n, (r + 1) * n)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.linear = backend.make_linear(
-            in_features,
-            len(rows),
-            bias,
-            name=name,
-            group=tp_group,
-            fp8=fp8,
-            dtype=dtype,
-            device=device,
-        )
+        if norm is None:
+            self.linear = backend.make_linear(
+                in_features,
+                len(rows),
+                bias,
+                name=name,
+                group=tp_group,
+                fp8=fp8,
+                dtype=dtype,
+                device=device,
+            )
+        else:  # the norm over x (replicated across TP) fused with this GEMM
+            self.linear = backend.make_norm_linear(
+                in_features,
+                len(rows),
+                bias,
+                normalization=norm[0],
+                eps=norm[1],
+                fp8=fp8,
+                dtype=dtype,
+                device=device,
+            )
         dev = self.linear.weight.device
         with torch.no_grad():
             full = full_normal((out_features, in_features), std, param_seed(seed, name), dev, dtype)
@@ -239,15 +254,17 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, start):
+        # One fp32 buffer [s, b, V/tp], worked in place: shifted logits, then exp, then softmax.
         z = logits.float()
+        z = z.clone() if z.data_ptr() == logits.data_ptr() else z
         m = z.amax(dim=-1)
         M.all_reduce(m, group, op=torch.distributed.ReduceOp.MAX)
-        z = z - m.unsqueeze(-1)
+        z.sub_(m.unsqueeze(-1))
         v = z.shape[-1]
         outside = (target < start) | (target >= start + v)
         local_t = (target - start).masked_fill(outside, 0)
         zt = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        e = z.exp()
+        e = z.exp_()
         s = e.sum(dim=-1)
         both = torch.stack([zt, s])
         M.all_reduce(both, group)
