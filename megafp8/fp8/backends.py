@@ -303,6 +303,11 @@ class TELinear(nn.Module):
         self.weight = self.inner.weight
         self.bias = self.inner.bias if bias else None
 
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """The fused norm's weights (empty for a plain linear)."""
+        names = ("layer_norm_weight", "layer_norm_bias")
+        return [p for n in names if isinstance(p := getattr(self.inner, n, None), nn.Parameter)]
+
     def forward(self, x):
         if self.fp8:
             return self.inner(x)

@@ -117,6 +117,10 @@ class ColumnParallelLinear(nn.Module):
                 dtype=dtype,
                 device=device,
             )
+            # The fused norm sees only this rank's share of its output gradient (the TP copy is
+            # in front of it), so its weights get partial gradients: sum them over TP.
+            for p in self.linear.norm_parameters():
+                allreduce_grad_hook(p, tp_group)
         dev = self.linear.weight.device
         with torch.no_grad():
             full = full_normal((out_features, in_features), std, param_seed(seed, name), dev, dtype)

@@ -51,7 +51,8 @@ def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by the group size {n}")
-    return x.chunk(n, dim=dim)[rank_in(group)].contiguous()
+    # clone: a dim-0 chunk is already contiguous, and a view would keep the whole tensor alive
+    return x.chunk(n, dim=dim)[rank_in(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

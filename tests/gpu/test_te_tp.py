@@ -1,0 +1,59 @@
+"""The te backend under tensor parallelism (our collectives around TE GEMMs), on one GPU: two
+processes share the device and talk over gloo (NCCL refuses two ranks on one GPU). Correctness only;
+the timing of TP needs one GPU per rank."""
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import tiny_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _loss_and_grads(cfg, tp):
+    from megafp8.fp8.backends import build_backend
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+
+    torch.cuda.set_device(0)
+    groups = ParallelGroups.build(tp=tp) if tp > 1 else ParallelGroups.single()
+    be = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
+    model = GPTModel(cfg, backend=be, groups=groups, vocab_size=256, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 256, (cfg.train.micro_batch_size, cfg.model.seq_length + 1),
+                           generator=g).cuda()
+    for _ in range(3):  # delayed scaling: later steps use scales from the amax history
+        model.zero_grad(set_to_none=True)
+        with be.autocast():
+            loss = model(tokens[:, :-1], tokens[:, 1:], None)
+        loss.backward()
+    out = {}
+    for name, p in model.named_parameters():
+        out[getattr(p, "full_name", name)] = (p.grad.float().cpu(), getattr(p, "full_index", None),
+                                              getattr(p, "partition_dim", 0))
+    return loss.item(), out
+
+
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_te_backend_tp2_matches_one_process(fp8):
+    pytest.importorskip("transformer_engine.pytorch")
+    cfg = tiny_config(model=dict(num_layers=2, hidden_size=128, num_attention_heads=4,
+                                 seq_length=64),
+                      train=dict(micro_batch_size=4, bf16=True),
+                      fp8=dict(fp8_format=fp8, fp8_backend="te", fp8_amax_history_len=4))
+    ref_loss, ref = run_distributed(_loss_and_grads, 1, cfg, 1)[0]
+    tp_cfg = cfg.replace(parallel=dict(tensor_model_parallel_size=2))
+    for loss, grads in run_distributed(_loss_and_grads, 2, tp_cfg, 2):
+        # bf16 activations: the TP partial sums are rounded to bf16 before the reduction
+        assert abs(loss - ref_loss) / ref_loss < 2e-3
+        for name, (g, idx, dim) in grads.items():
+            full = ref[name][0]
+            if idx is not None:
+                full = full.index_select(dim, idx)
+            assert _rel(g, full) < (0.05 if fp8 else 0.02), name
