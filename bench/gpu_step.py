@@ -8,6 +8,7 @@ TFLOP/s use Megatron's formula with causal attention (``megafp8.metrics``).
 
     python bench/gpu_step.py                       # the four cases, a markdown table on stdout
     python bench/gpu_step.py --cases 7b-fp8 --iters 10 --json out.json
+    MEGAFP8_BENCH_PROFILE=25 python bench/gpu_step.py --cases 7b-fp8   # + the top 25 kernels
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def run_case(shape, precision, warmup: int, iters: int, recipe: str, fused_norm:
         run.iteration += 1
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / iters
+    if os.environ.get("MEGAFP8_BENCH_PROFILE"):
+        _profile(run, it, int(os.environ["MEGAFP8_BENCH_PROFILE"]))
     t = cfg.train
     tokens = t.global_batch_size * cfg.model.seq_length
     flops = metrics.flops_per_iteration(cfg.model, t.global_batch_size, run.model.padded_vocab)
@@ -106,6 +109,24 @@ def run_case(shape, precision, warmup: int, iters: int, recipe: str, fused_norm:
         "losses": [round(x, 4) for x in losses],
         "gpu": torch.cuda.get_device_name(),
     }
+
+
+def _profile(run, it, rows: int) -> None:
+    """One more iteration under torch.profiler: the kernels that took the most GPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from megafp8.train import train_step
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(run, it)
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+        ),
+        file=sys.stderr,
+    )
 
 
 def main() -> int:
@@ -144,6 +165,8 @@ def main() -> int:
             a.recipe,
         ]
         p = subprocess.run(cmd, capture_output=True, text=True)
+        if os.environ.get("MEGAFP8_BENCH_PROFILE"):
+            print(p.stderr[-12000:], file=sys.stderr)
         got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if p.returncode or not got:
             rows.append({"case": case, "error": (p.stderr or p.stdout)[-3000:]})
