@@ -283,9 +283,8 @@ def ours_bytes(s, b, h, a, f, t, sp, dropout=0.0, e=4) -> dict[str, int]:
     by region, in bytes. ts = t under SP, else 1.
 
     norm1, norm2: input [s/ts, b, h] + mean and rstd [s/ts, b, 1] each.
-    attn.qkv, mlp.fc1: the GEMM input, always the full [s, b, h]: under SP it is the all-gathered
-    tensor, which F.linear keeps for the weight gradient (Megatron keeps the shard and gathers again
-    in backward).
+    attn.qkv, mlp.fc1: the GEMM input [s/ts, b, h]: under SP the sequence shard, all-gathered
+    again in backward for the weight gradient (as Megatron does).
     attn.core, dropout 0 (SDPA's flash kernel): QKV output [s, b, 3h/t] (q, k, v are views of it),
     SDPA output [b, a/t, s, h/a] (laid out as [s, b, a/t, h/a], after its query) and its
     log-sum-exp [b, a/t, s]. attn.proj: nothing new, its input is a view of the SDPA output.
@@ -301,9 +300,9 @@ def ours_bytes(s, b, h, a, f, t, sp, dropout=0.0, e=4) -> dict[str, int]:
     out = {
         "norm1": norm,
         "norm2": norm,
-        "attn.qkv": e * sbh,
+        "attn.qkv": e * sbh // ts,
         "attn.core": e * (3 * sbh + sbh + a * s * b) // t,
-        "mlp.fc1": e * sbh,
+        "mlp.fc1": e * sbh // ts,
         "mlp.act": e * s * b * f // t,
         "mlp.fc2": e * s * b * f // t,
     }
@@ -317,14 +316,15 @@ def ours_bytes(s, b, h, a, f, t, sp, dropout=0.0, e=4) -> dict[str, int]:
 def comm_formula(s, b, h, t, sp, e=4) -> dict[str, dict[str, int]]:
     """Per layer and rank, logical collectives of N = s*b*h*e bytes (Korthikanti 2022, 4.2.2):
     without SP 2 all-reduces forward (after the row GEMMs) and 2 backward (before the column GEMMs);
-    with SP, forward 2 all-gathers + 2 reduce-scatters, backward 2 reduce-scatters + 2 all-gathers.
-    Returns phase -> logical op -> bytes."""
+    with SP, forward 2 all-gathers + 2 reduce-scatters, backward 2 reduce-scatters + 2 all-gathers,
+    plus 2 all-gathers that re-gather the column GEMMs' saved input shards (Megatron's trade of
+    communication for activation memory). Returns phase -> logical op -> bytes."""
     if t == 1:
         return {"forward": {}, "backward": {}}
     n = s * b * h * e
     if sp:
-        both = {"all_gather": 2 * n, "reduce_scatter": 2 * n}
-        return {"forward": dict(both), "backward": dict(both)}
+        return {"forward": {"all_gather": 2 * n, "reduce_scatter": 2 * n},
+                "backward": {"all_gather": 4 * n, "reduce_scatter": 2 * n}}
     return {"forward": {"all_reduce": 2 * n}, "backward": {"all_reduce": 2 * n}}
 
 

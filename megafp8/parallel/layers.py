@@ -57,6 +57,28 @@ def allreduce_grad_hook(p: nn.Parameter, group) -> nn.Parameter:
     return p
 
 
+class _SeqGatherLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) A^T + b that saves the sequence shard x, not the gathered input, and
+    all-gathers it again in backward (Megatron's trade: one more all-gather of s*b*h per GEMM in
+    backward for (1 - 1/tp) * s*b*h fewer saved elements). Backward: dx is reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(M._all_gather(x, group, 0), weight, bias)  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        full = M._all_gather(x, ctx.group, 0)  # [s, b, in], gathered again
+        dx = M._reduce_scatter(gy @ weight, ctx.group, 0)  # [s/tp, b, in]
+        g2 = gy.reshape(-1, gy.shape[-1])  # [s*b, out/tp]
+        dw = g2.t() @ full.reshape(-1, full.shape[-1])
+        db = g2.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows (output features): rank r holds ``rows`` of the full A.
 
@@ -145,6 +167,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # x: [s(/tp under SP), b, in] -> [s, b, out/tp]
         if self.sequence_parallel:
+            lin = self.linear
+            if getattr(lin, "state", "") is None:  # a plain GEMM: save the shard, not the gather
+                return _SeqGatherLinear.apply(x, lin.weight, lin.bias, self.tp_group)
             x = M.gather_from_sequence_parallel_region(x, self.tp_group, True)
         else:
             x = M.copy_to_tensor_parallel_region(x, self.tp_group)

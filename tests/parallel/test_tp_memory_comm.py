@@ -45,7 +45,8 @@ def expected_saved(t, sp, p):
     """What one layer keeps for backward on one rank, derived from the code (bytes by region):
 
     LayerNorm keeps its input and mean/rstd ([s, b, 1] each); on the sequence shard under SP.
-    The column-parallel GEMMs (qkv, fc1) keep their input whole: under SP the all-gathered one.
+    The column-parallel GEMMs (qkv, fc1) keep their input: under SP the sequence shard (it is
+    all-gathered again in backward).
     Without dropout SDPA (CPU flash kernel) keeps the QKV output (q, k, v are views of it), its
     output (which the proj GEMM then keeps as a view) and the log-sum-exp [b, a/t, s]. With
     dropout it takes the math path: QKV output, scaled copies of q and k, and three [b, a/t, s, s]
@@ -58,8 +59,8 @@ def expected_saved(t, sp, p):
     out = {
         "norm1": norm,
         "norm2": norm,
-        "attn.qkv": N,
-        "mlp.fc1": N,
+        "attn.qkv": N // ts,
+        "mlp.fc1": N // ts,
         "attn.core": E * (4 * SBH + HEADS * S * BATCH) // t,
         "mlp.act": E * S * BATCH * FFN // t,
         "mlp.fc2": E * S * BATCH * FFN // t,
@@ -97,15 +98,16 @@ def test_sp_cuts_norm_and_residual_regions_by_exactly_tp(measured, tp):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_regions_split_by_tp_and_column_inputs_stay_whole(measured, tp):
+def test_tp_regions_split_by_tp_and_column_inputs_by_sp(measured, tp):
     for p in DROPOUTS:
         base = B.region_sums(measured[(1, False, p)][0]["saved"])
         for sp in (False, True):
             got = B.region_sums(measured[(tp, sp, p)][0]["saved"])
             assert got["tp"] * tp == base["tp"], (sp, p)
-            # Under SP the gathered [s, b, h] inputs of qkv and fc1 are kept whole (Megatron
-            # keeps the shard and all-gathers again in backward): the same bytes as tp=1.
-            assert got["col"] == base["col"] == 2 * N, (sp, p)
+            # qkv and fc1 keep their input: whole without SP, the sequence shard under SP
+            # (all-gathered again in backward, as Megatron does).
+            assert base["col"] == 2 * N
+            assert got["col"] * (tp if sp else 1) == base["col"], (sp, p)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -114,7 +116,7 @@ def test_sp_lowers_the_total_by_the_sharded_regions(measured, tp):
         off = B.region_sums(measured[(tp, False, p)][0]["saved"])
         on = B.region_sums(measured[(tp, True, p)][0]["saved"])
         assert on["total"] < off["total"]
-        assert (off["total"] - on["total"]) * tp == off["seq"] * (tp - 1), p
+        assert (off["total"] - on["total"]) * tp == (off["seq"] + off["col"]) * (tp - 1), p
 
 
 def _activation_events(events, phase):
@@ -142,9 +144,10 @@ def test_comm_per_layer_equals_the_formula(measured, tp):
                 grads = [e["bytes"] for e in ev if e["logical"] == "param_grad_all_reduce"]
                 if sp:
                     # forward: all-gather before qkv and fc1, reduce-scatter after proj and fc2;
-                    # backward: their transposes.
+                    # backward: their transposes, plus the re-gather of qkv's and fc1's inputs.
                     want = sorted([("all_gather", N)] * 2 + [("reduce_scatter", N)] * 2)
-                    assert fwd == want and bwd == want, (rank, p)
+                    assert fwd == want, (rank, p)
+                    assert bwd == sorted(want + [("all_gather", N)] * 2), (rank, p)
                     # norm1/norm2 weight and bias, proj and fc2 bias: replicated, applied to
                     # sequence shards, so their gradients are summed over TP in backward.
                     assert grads == [H * E] * 6
@@ -161,6 +164,8 @@ def test_comm_per_layer_equals_the_formula(measured, tp):
                 formula = B.comm_formula(S, BATCH, H, tp, sp)
                 for ph in ("forward", "backward"):
                     assert summary[ph]["logical"] == formula[ph]
-                    # ring convention: SP moves the same bytes per rank as the all-reduces,
-                    # 2 x 2(t-1)/t N = 4(t-1)/t N each way
-                    assert summary[ph]["ring"] * tp == 4 * (tp - 1) * N
+                    # ring convention: forward, SP moves the same bytes per rank as the
+                    # all-reduces, 2 x 2(t-1)/t N = 4(t-1)/t N; backward, SP's two re-gathers
+                    # add 2(t-1)/t N
+                    extra = 2 if (sp and ph == "backward") else 0
+                    assert summary[ph]["ring"] * tp == (4 + extra) * (tp - 1) * N
