@@ -38,7 +38,7 @@ SHAPES = {
 PRECISIONS = ("bf16", "fp8")
 
 
-def case_config(shape: str, precision: str, recipe: str = "delayed", fused_norm: bool = True):
+def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=1):
     from megafp8.config import Config
 
     s = dict(SHAPES[shape])
@@ -62,19 +62,21 @@ def case_config(shape: str, precision: str, recipe: str = "delayed", fused_norm:
         ),
         fp8=dict(fp8_backend="te", te_fused_norm=fused_norm, **fp8),
         train=dict(micro_batch_size=micro, global_batch_size=gbs, train_iters=10**6, bf16=True),
-        optim=dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=10, zero_stage=1),
+        optim=dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=10, zero_stage=zero_stage),
         data=dict(mock_data=True),
         logging=dict(log_memory=True),
     )
 
 
-def run_case(shape, precision, warmup: int, iters: int, recipe: str, fused_norm: bool) -> dict:
+def run_case(
+    shape, precision, warmup: int, iters: int, recipe: str, fused_norm: bool, zero_stage: int
+) -> dict:
     import torch
 
     from megafp8 import metrics
     from megafp8.train import build_run, init_distributed, train_step
 
-    cfg = case_config(shape, precision, recipe, fused_norm)
+    cfg = case_config(shape, precision, recipe, fused_norm, zero_stage)
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
     it = iter(run.data.train)
