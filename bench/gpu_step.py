@@ -38,7 +38,7 @@ SHAPES = {
 PRECISIONS = ("bf16", "fp8")
 
 
-def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=1):
+def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=1, fused_mlp=False):
     from megafp8.config import Config
 
     s = dict(SHAPES[shape])
@@ -60,7 +60,7 @@ def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=
             normalization="LayerNorm",
             **s,
         ),
-        fp8=dict(fp8_backend="te", te_fused_norm=fused_norm, **fp8),
+        fp8=dict(fp8_backend="te", te_fused_norm=fused_norm, te_fused_mlp=fused_mlp, **fp8),
         train=dict(micro_batch_size=micro, global_batch_size=gbs, train_iters=10**6, bf16=True),
         optim=dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=10, zero_stage=zero_stage),
         data=dict(mock_data=True),
@@ -69,14 +69,21 @@ def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=
 
 
 def run_case(
-    shape, precision, warmup: int, iters: int, recipe: str, fused_norm: bool, zero_stage: int
+    shape,
+    precision,
+    warmup: int,
+    iters: int,
+    recipe: str,
+    fused_norm: bool,
+    zero_stage: int,
+    fused_mlp: bool = False,
 ) -> dict:
     import torch
 
     from megafp8 import metrics
     from megafp8.train import build_run, init_distributed, train_step
 
-    cfg = case_config(shape, precision, recipe, fused_norm, zero_stage)
+    cfg = case_config(shape, precision, recipe, fused_norm, zero_stage, fused_mlp)
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
     it = iter(run.data.train)
@@ -144,13 +151,16 @@ def main() -> int:
         action="store_false",
         help="norms as separate kernels instead of TE's LayerNormLinear",
     )
+    ap.add_argument("--te-fused-mlp", action="store_true", help="the MLP as one te.LayerNormMLP")
+    ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
     a = ap.parse_args()
     if a.one:
         shape, prec = a.one.split("-")
-        print(
-            "RESULT " + json.dumps(run_case(shape, prec, a.warmup, a.iters, a.recipe)), flush=True
+        row = run_case(
+            shape, prec, a.warmup, a.iters, a.recipe, a.fused_norm, a.zero_stage, a.te_fused_mlp
         )
+        print("RESULT " + json.dumps(row), flush=True)
         return 0
     rows = []
     for case in a.cases:
@@ -165,7 +175,11 @@ def main() -> int:
             str(a.iters),
             "--recipe",
             a.recipe,
+            "--zero-stage",
+            str(a.zero_stage),
         ]
+        cmd += [] if a.fused_norm else ["--no-te-fused-norm"]
+        cmd += ["--te-fused-mlp"] if a.te_fused_mlp else []
         p = subprocess.run(cmd, capture_output=True, text=True)
         if os.environ.get("MEGAFP8_BENCH_PROFILE"):
             print(p.stderr[-12000:], file=sys.stderr)

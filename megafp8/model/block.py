@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.model.attention import SelfAttention
-from megafp8.model.mlp import MLP
+from megafp8.model.mlp import MLP, TEFusedMLP
 from megafp8.parallel.layers import allreduce_grad_hook
 from megafp8.parallel.random import TP_STREAM
 
@@ -63,7 +63,10 @@ class TransformerBlock(nn.Module):
         self.norm1 = nn.Identity() if attn_norm else make_norm(cfg, backend, groups, dtype, device)
         self.attn = SelfAttention(cfg, rng=rng, kv_group=kv_group, norm=attn_norm, **kw)
         self.norm2 = nn.Identity() if norm else make_norm(cfg, backend, groups, dtype, device)
-        self.mlp = MLP(cfg, norm=norm, **kw)
+        if norm and cfg.fp8.te_fused_mlp:
+            self.mlp = TEFusedMLP(cfg, **kw)
+        else:
+            self.mlp = MLP(cfg, norm=norm, **kw)
         self.p = cfg.model.hidden_dropout
         self.sp, self.rng = cfg.parallel.sequence_parallel, rng
 

@@ -8,8 +8,10 @@ import torch
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _rel(a, b):
@@ -26,8 +28,9 @@ def _loss_and_grads(cfg, tp):
     be = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
     model = GPTModel(cfg, backend=be, groups=groups, vocab_size=256, device="cuda")
     g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 256, (cfg.train.micro_batch_size, cfg.model.seq_length + 1),
-                           generator=g).cuda()
+    tokens = torch.randint(
+        0, 256, (cfg.train.micro_batch_size, cfg.model.seq_length + 1), generator=g
+    ).cuda()
     for _ in range(3):  # delayed scaling: later steps use scales from the amax history
         model.zero_grad(set_to_none=True)
         with be.autocast():
@@ -35,18 +38,43 @@ def _loss_and_grads(cfg, tp):
         loss.backward()
     out = {}
     for name, p in model.named_parameters():
-        out[getattr(p, "full_name", name)] = (p.grad.float().cpu(), getattr(p, "full_index", None),
-                                              getattr(p, "partition_dim", 0))
+        out[getattr(p, "full_name", name)] = (
+            p.grad.float().cpu(),
+            getattr(p, "full_index", None),
+            getattr(p, "partition_dim", 0),
+        )
     return loss.item(), out
 
 
-@pytest.mark.parametrize("fp8", [None, "hybrid"])
-def test_te_backend_tp2_matches_one_process(fp8):
+def _cfg(fp8, fused_mlp=False, swiglu=False):
+    return tiny_config(
+        model=dict(
+            num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64, swiglu=swiglu
+        ),
+        train=dict(micro_batch_size=4, bf16=True),
+        fp8=dict(fp8_format=fp8, fp8_backend="te", fp8_amax_history_len=4, te_fused_mlp=fused_mlp),
+    )
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fused_mlp_equals_unfused(swiglu):
+    """te.LayerNormMLP holds the same weights as norm + fc1 + act + fc2 (bf16, no FP8)."""
     pytest.importorskip("transformer_engine.pytorch")
-    cfg = tiny_config(model=dict(num_layers=2, hidden_size=128, num_attention_heads=4,
-                                 seq_length=64),
-                      train=dict(micro_batch_size=4, bf16=True),
-                      fp8=dict(fp8_format=fp8, fp8_backend="te", fp8_amax_history_len=4))
+    ref_loss, ref = run_distributed(_loss_and_grads, 1, _cfg(None, False, swiglu), 1)[0]
+    loss, grads = run_distributed(_loss_and_grads, 1, _cfg(None, True, swiglu), 1)[0]
+    assert abs(loss - ref_loss) / ref_loss < 2e-3
+    for name in (
+        "layers.0.mlp.fc1.linear.weight",
+        "layers.1.mlp.fc2.linear.weight",
+        "embedding.weight",
+    ):
+        assert _rel(grads[name][0], ref[name][0]) < 0.02, name
+
+
+@pytest.mark.parametrize("fp8,fused_mlp", [(None, False), ("hybrid", False), ("hybrid", True)])
+def test_te_backend_tp2_matches_one_process(fp8, fused_mlp):
+    pytest.importorskip("transformer_engine.pytorch")
+    cfg = _cfg(fp8, fused_mlp)
     ref_loss, ref = run_distributed(_loss_and_grads, 1, cfg, 1)[0]
     tp_cfg = cfg.replace(parallel=dict(tensor_model_parallel_size=2))
     for loss, grads in run_distributed(_loss_and_grads, 2, tp_cfg, 2):
