@@ -160,6 +160,10 @@ class ColumnParallelLinear(nn.Module):
                 mark_full(p, f"{name}.linear.{kind}")
             if weight_grad_group is not None:  # rows replicated within weight_grad_group
                 allreduce_grad_hook(p, weight_grad_group)
+                # gradient-norm clipping counts a shard on every rank that marks it so, and an
+                # unmarked parameter on TP rank 0 only: mark the first copy alone, so each
+                # replicated row is counted once
+                p.tensor_model_parallel = M.rank_in(weight_grad_group) == 0
 
     @property
     def weight(self):

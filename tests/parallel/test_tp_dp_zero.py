@@ -30,3 +30,22 @@ def test_tp2_dp2_zero_matches_one_process(reference, stage, sp):
     # summation order; over 5 Adam steps (whose update ~ lr * sign(g) amplifies tiny gradient
     # differences near zero) the losses stay within 2e-5 relative.
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(reference), rtol=2e-5, atol=2e-5)
+
+
+def _norms(cfg):
+    from megafp8.train import train
+
+    return [(r["lm loss"], r["grad norm"]) for r in train(cfg)]
+
+
+def test_grad_norm_counts_replicated_kv_rows_once():
+    """tp=4 with 2 kv heads: the k/v rows live on 2 ranks each; the clipped gradient norm must
+    still be the one-process norm (and so the losses after clipping)."""
+    cfg = tiny_config(
+        model=dict(num_query_groups=2), train=dict(train_iters=3), optim=dict(clip_grad=0.05)
+    )  # small: clipping is active every step
+    cfg = cfg.replace(train=dict(global_batch_size=2))  # tp=4 on 4 ranks: dp=1
+    ref = run_distributed(_norms, 1, cfg)[0]
+    got = run_distributed(_norms, 4, cfg.replace(parallel=dict(tensor_model_parallel_size=4)))[0]
+    for (l1, n1), (l2, n2) in zip(ref, got):
+        assert n2 == pytest.approx(n1, rel=1e-5) and l2 == pytest.approx(l1, rel=2e-5)
