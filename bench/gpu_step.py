@@ -107,7 +107,7 @@ def run_case(
     tflops = flops / dt / 1e12
     params = sum(p.numel() for p in run.model.parameters())
     return {
-        "case": f"{shape}-{precision}",
+        "case": f"{shape}-{precision}" + _tags(fused_norm, zero_stage, fused_mlp),
         "recipe": recipe if precision == "fp8" else "-",
         "params_M": round(params / 1e6, 1),
         "s_per_iter": round(dt, 4),
@@ -118,6 +118,13 @@ def run_case(
         "losses": [round(x, 4) for x in losses],
         "gpu": torch.cuda.get_device_name(),
     }
+
+
+def _tags(fused_norm: bool, zero_stage: int, fused_mlp: bool) -> str:
+    """The case name's suffix for every setting off its default."""
+    tags = "" if fused_norm else "-unfused-norm"
+    tags += f"-zero{zero_stage}" if zero_stage != 1 else ""
+    return tags + ("-fused-mlp" if fused_mlp else "")
 
 
 def _profile(run, it, rows: int) -> None:
