@@ -38,8 +38,26 @@ SHAPES = {
 PRECISIONS = ("bf16", "fp8")
 
 
-def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=1, fused_mlp=False):
+# The settings a case may vary (config field: default); a case's name tags every one off default.
+VARIANT = {
+    "te_fused_norm": True,
+    "te_fused_mlp": False,
+    "te_weight_cache": True,
+    "cross_entropy_loss_fusion": True,
+    "zero_stage": 1,
+}
+TAGS = {
+    "cross_entropy_loss_fusion": "unfused-ce",
+    "te_fused_norm": "unfused-norm",
+    "te_fused_mlp": "fused-mlp",
+    "te_weight_cache": "no-weight-cache",
+}
+
+
+def case_config(shape, precision, recipe="delayed", **variant):
     from megafp8.config import Config
+
+    v = {**VARIANT, **variant}
 
     s = dict(SHAPES[shape])
     micro, gbs = s.pop("micro"), s.pop("gbs")
@@ -58,32 +76,30 @@ def case_config(shape, precision, recipe="delayed", fused_norm=True, zero_stage=
             vocab_size=50257,
             position_embedding_type="learned_absolute",
             normalization="LayerNorm",
+            cross_entropy_loss_fusion=v["cross_entropy_loss_fusion"],
             **s,
         ),
-        fp8=dict(fp8_backend="te", te_fused_norm=fused_norm, te_fused_mlp=fused_mlp, **fp8),
+        fp8=dict(
+            fp8_backend="te",
+            te_fused_norm=v["te_fused_norm"],
+            te_fused_mlp=v["te_fused_mlp"],
+            te_weight_cache=v["te_weight_cache"],
+            **fp8,
+        ),
         train=dict(micro_batch_size=micro, global_batch_size=gbs, train_iters=10**6, bf16=True),
-        optim=dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=10, zero_stage=zero_stage),
+        optim=dict(lr=1e-4, min_lr=1e-5, lr_warmup_iters=10, zero_stage=v["zero_stage"]),
         data=dict(mock_data=True),
         logging=dict(log_memory=True),
     )
 
 
-def run_case(
-    shape,
-    precision,
-    warmup: int,
-    iters: int,
-    recipe: str,
-    fused_norm: bool,
-    zero_stage: int,
-    fused_mlp: bool = False,
-) -> dict:
+def run_case(shape, precision, warmup: int, iters: int, recipe: str, **variant) -> dict:
     import torch
 
     from megafp8 import metrics
     from megafp8.train import build_run, init_distributed, train_step
 
-    cfg = case_config(shape, precision, recipe, fused_norm, zero_stage, fused_mlp)
+    cfg = case_config(shape, precision, recipe, **variant)
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
     it = iter(run.data.train)
@@ -107,7 +123,7 @@ def run_case(
     tflops = flops / dt / 1e12
     params = sum(p.numel() for p in run.model.parameters())
     return {
-        "case": f"{shape}-{precision}" + _tags(fused_norm, zero_stage, fused_mlp),
+        "case": f"{shape}-{precision}" + _tags(variant),
         "recipe": recipe if precision == "fp8" else "-",
         "params_M": round(params / 1e6, 1),
         "s_per_iter": round(dt, 4),
@@ -120,29 +136,103 @@ def run_case(
     }
 
 
-def _tags(fused_norm: bool, zero_stage: int, fused_mlp: bool) -> str:
+def _tags(variant: dict) -> str:
     """The case name's suffix for every setting off its default."""
-    tags = "" if fused_norm else "-unfused-norm"
-    tags += f"-zero{zero_stage}" if zero_stage != 1 else ""
-    return tags + ("-fused-mlp" if fused_mlp else "")
+    v = {**VARIANT, **variant}
+    tags = [t for k, t in TAGS.items() if v[k] != VARIANT[k]]
+    tags += [f"zero{v['zero_stage']}"] if v["zero_stage"] != VARIANT["zero_stage"] else []
+    return "".join("-" + t for t in tags)
 
 
 def _profile(run, it, rows: int) -> None:
-    """One more iteration under torch.profiler: the kernels that took the most GPU time."""
+    """One more iteration under torch.profiler: the kernels that took the most GPU time, and the
+    GPU's idle time, by what the CPU was doing when it launched the kernel after each gap."""
+    import tempfile
+
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from megafp8.train import train_step
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        train_step(run, it)
-        torch.cuda.synchronize()
+    eng = run.engine
+    saved = {n: getattr(eng, n) for n in ("forward", "backward", "step")}
+
+    def labelled(name, fn):
+        def call(*a, **k):
+            with record_function(name):
+                return fn(*a, **k)
+
+        return call
+
+    def data():
+        while True:
+            with record_function("data"):
+                b = next(it)
+            yield b
+
+    for n, fn in saved.items():
+        setattr(eng, n, labelled(f"engine.{n}", fn))
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    try:
+        with profile(activities=acts) as prof:
+            with record_function("train_step"):
+                train_step(run, data())
+            torch.cuda.synchronize()
+    finally:
+        for n in saved:
+            delattr(eng, n)
     print(
         prof.key_averages().table(
-            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=110
         ),
         file=sys.stderr,
     )
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    print(_idle_report(trace.get("traceEvents", trace)), file=sys.stderr)
+
+
+def _idle_report(events: list) -> str:
+    """GPU idle gaps of a chrome trace, attributed to the innermost labelled CPU range (``data``,
+    ``engine.forward``/``backward``/``step``, ``train_step``) around the next kernel's launch."""
+    gpu = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        ),
+        key=lambda e: e["ts"],
+    )
+    launch = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    labels = [
+        e
+        for e in events
+        if e.get("cat") == "user_annotation"
+        and (e["name"] in ("data", "train_step") or e["name"].startswith("engine."))
+    ]
+    if not gpu:
+        return "no GPU events"
+    idle, end, by = 0.0, gpu[0]["ts"] + gpu[0]["dur"], {}
+    for e in gpu[1:]:
+        gap = e["ts"] - end
+        if gap > 5.0:  # microseconds
+            idle += gap
+            t = launch.get(e.get("args", {}).get("correlation"), e["ts"])
+            inner = [x for x in labels if x["ts"] <= t <= x["ts"] + x["dur"]]
+            name = min(inner, key=lambda x: x["dur"])["name"] if inner else "outside"
+            n, tot = by.get(name, (0, 0.0))
+            by[name] = (n + 1, tot + gap)
+        end = max(end, e["ts"] + e["dur"])
+    span = end - gpu[0]["ts"]
+    lines = [f"GPU span {span / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms ({100 * idle / span:.1f}%)"]
+    for name, (n, tot) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  idle before kernels launched in {name}: {tot / 1e3:.1f} ms over {n} gaps")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -159,14 +249,31 @@ def main() -> int:
         help="norms as separate kernels instead of TE's LayerNormLinear",
     )
     ap.add_argument("--te-fused-mlp", action="store_true", help="the MLP as one te.LayerNormMLP")
+    ap.add_argument(
+        "--no-te-weight-cache",
+        dest="te_weight_cache",
+        action="store_false",
+        help="cast the weights to FP8 at every micro-batch (no is_first_microbatch cache)",
+    )
+    ap.add_argument(
+        "--no-cross-entropy-loss-fusion",
+        dest="ce_fusion",
+        action="store_false",
+        help="the loss in torch ops instead of the Triton kernels",
+    )
     ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
     a = ap.parse_args()
+    variant = dict(
+        te_fused_norm=a.fused_norm,
+        te_fused_mlp=a.te_fused_mlp,
+        te_weight_cache=a.te_weight_cache,
+        cross_entropy_loss_fusion=a.ce_fusion,
+        zero_stage=a.zero_stage,
+    )
     if a.one:
         shape, prec = a.one.split("-")
-        row = run_case(
-            shape, prec, a.warmup, a.iters, a.recipe, a.fused_norm, a.zero_stage, a.te_fused_mlp
-        )
+        row = run_case(shape, prec, a.warmup, a.iters, a.recipe, **variant)
         print("RESULT " + json.dumps(row), flush=True)
         return 0
     rows = []
@@ -187,6 +294,8 @@ def main() -> int:
         ]
         cmd += [] if a.fused_norm else ["--no-te-fused-norm"]
         cmd += ["--te-fused-mlp"] if a.te_fused_mlp else []
+        cmd += [] if a.te_weight_cache else ["--no-te-weight-cache"]
+        cmd += [] if a.ce_fusion else ["--no-cross-entropy-loss-fusion"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if os.environ.get("MEGAFP8_BENCH_PROFILE"):
             print(p.stderr[-12000:], file=sys.stderr)

@@ -41,6 +41,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    cross_entropy_loss_fusion: bool = True  # Triton kernels on CUDA; the torch loss elsewhere
 
     @property
     def ffn(self) -> int:
@@ -80,6 +81,9 @@ class Fp8Config:
     fp8_gemm: str = "auto"  # torch backend: scaled_mm on GPU; emulated (q->dq->fp32 mm) on CPU
     te_fused_norm: bool = True  # te backend: LayerNorm/RMSNorm fused into the next GEMM (no SP)
     te_fused_mlp: bool = False  # te backend, fused norm: the whole MLP as one te.LayerNormMLP
+    te_weight_cache: bool = (
+        True  # te backend: cast weights to FP8 once per iteration, not per micro-batch
+    )
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1

@@ -114,8 +114,9 @@ def train_step(run: Run, train_iter) -> tuple[float, float | None]:
     eng, gas = run.engine, run.engine.gradient_accumulation_steps()
     set_lr(eng, learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters))
     total = torch.zeros((), device=run.device)
-    for _ in range(gas):
+    for i in range(gas):
         b = _to(next(train_iter), run.device)
+        run.backend.microbatch(i)
         with run.backend.autocast():
             loss = eng(b["tokens"], b["labels"], b["loss_mask"])
         eng.backward(loss)
@@ -133,6 +134,7 @@ def evaluate(run: Run, iters: int) -> float | None:
     if it is None:
         return None
     run.model.eval()
+    run.backend.microbatch(None)
     total, n = torch.zeros((), device=run.device), 0
     try:
         for _ in range(iters * run.engine.gradient_accumulation_steps()):

@@ -145,6 +145,10 @@ class Backend:
     def autocast(self):
         return contextlib.nullcontext()
 
+    def microbatch(self, index: int | None) -> None:
+        """Before each micro-batch's forward: its index within the iteration (``None`` outside
+        training, e.g. evaluation)."""
+
     def update(self) -> None:
         """After each micro-batch's forward + backward."""
 
@@ -213,7 +217,13 @@ class TEBackend(Backend):
 
     name, fp8 = "te", True
 
-    def __init__(self, recipe: Fp8Recipe | None, amax_group=None, fused_norm: bool = True):
+    def __init__(
+        self,
+        recipe: Fp8Recipe | None,
+        amax_group=None,
+        fused_norm: bool = True,
+        weight_cache: bool = True,
+    ):
         import transformer_engine.common.recipe as ter
         import transformer_engine.pytorch as te
 
@@ -222,6 +232,11 @@ class TEBackend(Backend):
         self.amax_group = amax_group
         self.te_recipe = None
         self.fuses_norm = fused_norm
+        # FP8 weight cache over micro-batches: the weights change only at the optimizer step, so
+        # the first micro-batch of an iteration casts them (and their transposes) to FP8 and
+        # the others reuse the cast (TE's ``is_first_microbatch``); None (eval) casts every time.
+        self.cache = WeightCache()
+        self.weight_cache = weight_cache
         if recipe is not None:
             fmt = ter.Format.HYBRID if recipe.fp8_format == "hybrid" else ter.Format.E4M3
             if recipe.recipe == "delayed":
@@ -257,6 +272,7 @@ class TEBackend(Backend):
             recipe=self.te_recipe,
             dtype=dtype,
             device=device,
+            cache=self.cache,
         )
 
     def make_norm_linear(
@@ -272,7 +288,11 @@ class TEBackend(Backend):
             dtype=dtype,
             device=device,
             norm=(normalization, eps),
+            cache=self.cache,
         )
+
+    def microbatch(self, index: int | None) -> None:
+        self.cache.first = None if index is None or not self.weight_cache else index == 0
 
     def autocast(self):
         if not self.fp8:
@@ -282,15 +302,34 @@ class TEBackend(Backend):
         )
 
 
+class WeightCache:
+    """Shared by a TE backend's modules: ``first`` is TE's ``is_first_microbatch`` (True: cast
+    the weights to FP8 and keep them; False: reuse the kept cast; None: no cache)."""
+
+    def __init__(self):
+        self.first: bool | None = None
+
+
 class TELinear(nn.Module):
     """A te.Linear (or, with ``norm``, a te.LayerNormLinear: the norm and the FP8 cast of its output
     in one kernel) whose ``weight``/``bias`` are the local shard; outside FP8 for BF16 layers."""
 
     def __init__(
-        self, te, in_features, out_features, bias, *, fp8, recipe, dtype, device, norm=None
+        self,
+        te,
+        in_features,
+        out_features,
+        bias,
+        *,
+        fp8,
+        recipe,
+        dtype,
+        device,
+        norm=None,
+        cache=None,
     ):
         super().__init__()
-        self.fp8, self.te = fp8, te
+        self.fp8, self.te, self.cache = fp8, te, cache or WeightCache()
         kw = dict(
             bias=bias, params_dtype=dtype, device=device or "cuda", init_method=lambda w: None
         )
@@ -310,7 +349,7 @@ class TELinear(nn.Module):
 
     def forward(self, x):
         if self.fp8:
-            return self.inner(x)
+            return self.inner(x, is_first_microbatch=self.cache.first)
         with self.te.autocast(enabled=False):
             return self.inner(x)
 
@@ -348,7 +387,9 @@ def build_backend(f, amax_group=None, tp_group=None) -> Backend:
     if name == "te":
         if not importlib.util.find_spec("transformer_engine"):
             raise ValueError("fp8_backend='te' needs Transformer Engine: pip install -e .[te]")
-        return TEBackend(recipe, amax_group, fused_norm=f.te_fused_norm)
+        return TEBackend(
+            recipe, amax_group, fused_norm=f.te_fused_norm, weight_cache=f.te_weight_cache
+        )
     if name == "torch":
         if recipe is None:
             return Backend()

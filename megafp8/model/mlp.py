@@ -84,6 +84,7 @@ class TEFusedMLP(nn.Module):
         tp, r = M.world(tg), M.rank_in(tg)
         n = m.ffn // tp
         self.tp_group, self.fp8, self.te = tg, fp8 and backend.fp8, backend.te
+        self.cache = backend.cache
         self.inner = backend.te.LayerNormMLP(
             m.hidden_size,
             n,
@@ -135,7 +136,7 @@ class TEFusedMLP(nn.Module):
     def forward(self, x):  # x: [s, b, h] -> [s, b, h]
         x = M.copy_to_tensor_parallel_region(x, self.tp_group)
         if self.fp8:
-            y, bias = self.inner(x)
+            y, bias = self.inner(x, is_first_microbatch=self.cache.first)
         else:
             with self.te.autocast(enabled=False):
                 y, bias = self.inner(x)

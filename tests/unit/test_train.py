@@ -87,3 +87,32 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     # and the previous one loads
     losses = run_distributed(_losses, 1, _cfg(train=dict(train_iters=3, load=ck)))[0]
     assert len(losses) == 1
+
+
+def _microbatch_calls(cfg):
+    from megafp8.fp8 import backends
+
+    seen = []
+    orig = backends.Backend.microbatch
+
+    def record(self, index):
+        seen.append(index)
+        return orig(self, index)
+
+    backends.Backend.microbatch = record
+    try:
+        train_losses(cfg)
+    finally:
+        backends.Backend.microbatch = orig
+    return seen
+
+
+def test_backend_sees_each_micro_batch_index_and_none_in_eval():
+    """The TE weight cache rests on this: index 0 starts an iteration, eval passes None."""
+    cfg = _cfg(
+        train=dict(train_iters=2, micro_batch_size=2, global_batch_size=8, eval_interval=2),
+    )
+    cfg = cfg.replace(train=dict(eval_iters=1))
+    seen = run_distributed(_microbatch_calls, 1, cfg)[0]
+    assert seen[:8] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert None in seen[8:] and all(i is None for i in seen[8:])
