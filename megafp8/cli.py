@@ -2,8 +2,9 @@
 
 Every config field is a flag named as Megatron names it: ``tensor_model_parallel_size`` is
 ``--tensor-model-parallel-size``. Booleans that default to False are switches (``--swiglu``,
-``--sequence-parallel``, ``--bf16``); those that default to True have a ``--no-...`` switch, and
-Megatron's ``--disable-bias-linear`` is accepted too. ``--config run.yaml`` reads a run file
+``--sequence-parallel``, ``--bf16``); those that default to True have a ``--no-...`` switch (and
+accept the plain one, e.g. ``--cross-entropy-loss-fusion``), and Megatron's
+``--disable-bias-linear`` is accepted too. ``--config run.yaml`` reads a run file
 whose keys
 are either sections (``model: {num_layers: 2}``) or flat field names (``num_layers: 2`` or
 ``num-layers: 2``). Precedence: defaults < run file < flags. Unknown flags or keys are errors.
@@ -72,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                     const=False,
                     default=None,
                     help=f"[{sec}] turn off {name}",
+                )
+                p.add_argument(  # accepted for scripts that name it (Megatron's flags)
+                    flag,
+                    dest=name,
+                    action="store_const",
+                    const=True,
+                    default=None,
+                    help=f"[{sec}] on by default",
                 )
             else:
                 p.add_argument(

@@ -9,6 +9,8 @@ separate KV projection holds that group's rows, and their gradient is summed ove
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,6 +121,12 @@ class SelfAttention(nn.Module):
         )
         self.te_attn = None
         if backend.name == "te":
+            # TE recognizes our interleaved q/k/v views by their pointers and warns that it
+            # prefers the packed tensor; that path selects the views inside TE, whose backward
+            # zero-fills and sums three full qkv gradients. Keep the views, drop the warning.
+            warnings.filterwarnings(
+                "ignore", "Relying on pointer-based detection", DeprecationWarning
+            )
             self.te_attn = backend.te.DotProductAttention(
                 self.np,
                 self.hd,
@@ -132,9 +140,17 @@ class SelfAttention(nn.Module):
         if self.fused:
             qkv = self.qkv(x)  # [s, b, kvp * (hpg + 2) * hd]
             s, b = qkv.shape[:2]
-            qkv = qkv.view(s, b, self.kvp, self.heads // self.kv + 2, self.hd)
-            q = qkv[:, :, :, :-2].reshape(s, b, self.np, self.hd)  # [s, b, np, hd]
-            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, kvp, hd]
+            hpg = self.heads // self.kv
+            qkv = qkv.view(s, b, self.kvp, hpg + 2, self.hd)
+            # Views, not copies: split's backward writes the three gradients into one qkv
+            # gradient in a single pass (indexing would zero-fill and add three full tensors),
+            # and TE's attention reads the interleaved views in place (the "sbh3d" layout).
+            if hpg == 1:
+                q, k, v = qkv.unbind(3)  # each [s, b, np, hd]
+            else:
+                q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
+                q = q.reshape(s, b, self.np, self.hd)  # a copy: heads of a group are not adjacent
+                k, v = k.squeeze(3), v.squeeze(3)  # [s, b, kvp, hd]
         else:
             q = self.q(x)
             s, b = q.shape[:2]
@@ -144,7 +160,7 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.te_attn is not None:
-            ctx = self.te_attn(q.contiguous(), k.contiguous(), v.contiguous())  # [s, b, np*hd]
+            ctx = self.te_attn(q, k, v)  # [s, b, np*hd]; TE copies a layout it cannot read
         else:
             ctx = self._sdpa(q, k, v)
         return self.proj(ctx)

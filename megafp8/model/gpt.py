@@ -153,6 +153,7 @@ class GPTModel(nn.Module):
         logits = F.linear(x, w)  # [s, b, V/tp]
         if labels is None:
             return logits
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), tg)  # [s, b]
+        fused = self.cfg.model.cross_entropy_loss_fusion  # the logits serve only the loss
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), tg, fused, inplace=True)
         mask = loss_mask.t().float() if loss_mask is not None else torch.ones_like(losses)
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)

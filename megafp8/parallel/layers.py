@@ -209,8 +209,10 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{name}: in_features={in_features} not divisible by tp={tp}")
         n = in_features // tp
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        # Without TP there is no reduction before the bias: the GEMM adds it (in its epilogue).
+        fold = bias and tp == 1
         self.linear = backend.make_linear(
-            n, out_features, False, name=name, group=tp_group, fp8=fp8, dtype=dtype, device=device
+            n, out_features, fold, name=name, group=tp_group, fp8=fp8, dtype=dtype, device=device
         )
         dev = self.linear.weight.device
         with torch.no_grad():
@@ -223,7 +225,11 @@ class RowParallelLinear(nn.Module):
         else:
             mark_full(self.linear.weight, f"{name}.linear.weight")
         self.bias = None
-        if bias:
+        if fold:
+            with torch.no_grad():
+                self.linear.bias.zero_()
+            mark_full(self.linear.bias, f"{name}.bias")
+        elif bias:
             self.bias = mark_full(
                 nn.Parameter(torch.zeros(out_features, dtype=dtype, device=dev)), f"{name}.bias"
             )
@@ -318,7 +324,13 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, tp_group):
-    """Per-token loss from logits ``[..., V/tp]`` (this rank's vocab slice) and full targets."""
+def vocab_parallel_cross_entropy(logits, target, tp_group, fused=False, inplace=False):
+    """Per-token loss from logits ``[..., V/tp]`` (this rank's vocab slice) and full targets.
+    ``fused``: the Triton kernels where they can run (CUDA), else this module's torch version;
+    ``inplace``: the fused backward may overwrite the logits with their gradient."""
+    from megafp8.parallel import fused_cross_entropy as fce
+
     start = M.rank_in(tp_group) * logits.shape[-1]
+    if fused and fce.available(logits):
+        return fce.fused_vocab_parallel_cross_entropy(logits, target, tp_group, start, inplace)
     return _VocabParallelCE.apply(logits, target, tp_group, start)

@@ -90,7 +90,7 @@ def _compare(cfg, steps):
 
 def _shard_pairs(par, ref):
     """name -> (this rank's gradient, the same slice of the single-process gradient)."""
-    ref_params = dict(ref.named_parameters())
+    ref_params = {getattr(p, "full_name", n): p for n, p in ref.named_parameters()}
     pairs = {}
     for name, p in par.named_parameters():
         full = ref_params[getattr(p, "full_name", name)].grad

@@ -166,3 +166,12 @@ def test_entry_point_rejects_bad_input_with_exit_2(argv, msg):
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr
     assert p.stdout == ""  # nothing started
+
+
+def test_default_true_switches_take_both_forms():
+    assert parse_args(["--mock-data"]).model.cross_entropy_loss_fusion is True
+    assert parse_args(
+        ["--mock-data", "--cross-entropy-loss-fusion"]
+    ).model.cross_entropy_loss_fusion
+    off = parse_args(["--mock-data", "--no-cross-entropy-loss-fusion", "--no-te-weight-cache"])
+    assert off.model.cross_entropy_loss_fusion is False and off.fp8.te_weight_cache is False
