@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import math
 
 import torch
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.fp8.recipe import Fp8Recipe, Fp8State, ScalingMeta
+
+log = logging.getLogger(__name__)
 
 
 def fp8_gemm(a_q, a_sinv, b_q, b_sinv, out_dtype, gemm: str) -> torch.Tensor:
@@ -387,6 +390,14 @@ def build_backend(f, amax_group=None, tp_group=None) -> Backend:
     if name == "te":
         if not importlib.util.find_spec("transformer_engine"):
             raise ValueError("fp8_backend='te' needs Transformer Engine: pip install -e .[te]")
+        tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        if recipe is not None and tp > 1:
+            log.warning(
+                "FP8 on the te backend at tensor_model_parallel_size=%d: its gradients are not "
+                "yet proven equal to one process's (tests/gpu/test_te_tp.py); those of "
+                "--fp8-backend torch are",
+                tp,
+            )
         return TEBackend(
             recipe, amax_group, fused_norm=f.te_fused_norm, weight_cache=f.te_weight_cache
         )
