@@ -262,7 +262,9 @@ def main() -> int:
         help="the loss in torch ops instead of the Triton kernels",
     )
     ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
+    # internal: run one case, with the parent's variant (JSON), in this process
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
     a = ap.parse_args()
     variant = dict(
         te_fused_norm=a.fused_norm,
@@ -271,6 +273,8 @@ def main() -> int:
         cross_entropy_loss_fusion=a.ce_fusion,
         zero_stage=a.zero_stage,
     )
+    if a.variant:
+        variant = json.loads(a.variant)
     if a.one:
         shape, prec = a.one.split("-")
         row = run_case(shape, prec, a.warmup, a.iters, a.recipe, **variant)
@@ -289,13 +293,9 @@ def main() -> int:
             str(a.iters),
             "--recipe",
             a.recipe,
-            "--zero-stage",
-            str(a.zero_stage),
+            "--variant",
+            json.dumps(variant),
         ]
-        cmd += [] if a.fused_norm else ["--no-te-fused-norm"]
-        cmd += ["--te-fused-mlp"] if a.te_fused_mlp else []
-        cmd += [] if a.te_weight_cache else ["--no-te-weight-cache"]
-        cmd += [] if a.ce_fusion else ["--no-cross-entropy-loss-fusion"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if os.environ.get("MEGAFP8_BENCH_PROFILE"):
             print(p.stderr[-12000:], file=sys.stderr)

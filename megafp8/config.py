@@ -81,9 +81,7 @@ class Fp8Config:
     fp8_gemm: str = "auto"  # torch backend: scaled_mm on GPU; emulated (q->dq->fp32 mm) on CPU
     te_fused_norm: bool = True  # te backend: LayerNorm/RMSNorm fused into the next GEMM (no SP)
     te_fused_mlp: bool = False  # te backend, fused norm: the whole MLP as one te.LayerNormMLP
-    te_weight_cache: bool = (
-        True  # te backend: cast weights to FP8 once per iteration, not per micro-batch
-    )
+    te_weight_cache: bool = True  # te backend: weights cast to FP8 once per iteration
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1

@@ -23,12 +23,14 @@ import contextlib
 import importlib.util
 import logging
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megafp8.fp8.recipe import Fp8Recipe, Fp8State, ScalingMeta
+from megafp8.parallel.mappings import world
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +232,10 @@ class TEBackend(Backend):
         import transformer_engine.common.recipe as ter
         import transformer_engine.pytorch as te
 
+        # TE recognizes the attention's interleaved q/k/v views by their pointers and warns that
+        # it prefers the packed tensor; that path selects the views inside TE, whose backward
+        # zero-fills and sums three full qkv gradients. Keep the views, drop the warning.
+        warnings.filterwarnings("ignore", "Relying on pointer-based detection", DeprecationWarning)
         self.te = te
         self.fp8 = recipe is not None
         self.amax_group = amax_group
@@ -390,7 +396,7 @@ def build_backend(f, amax_group=None, tp_group=None) -> Backend:
     if name == "te":
         if not importlib.util.find_spec("transformer_engine"):
             raise ValueError("fp8_backend='te' needs Transformer Engine: pip install -e .[te]")
-        tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        tp = world(tp_group)
         if recipe is not None and tp > 1:
             log.warning(
                 "FP8 on the te backend at tensor_model_parallel_size=%d: its gradients are not "

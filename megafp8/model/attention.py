@@ -9,8 +9,6 @@ separate KV projection holds that group's rows, and their gradient is summed ove
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,12 +119,6 @@ class SelfAttention(nn.Module):
         )
         self.te_attn = None
         if backend.name == "te":
-            # TE recognizes our interleaved q/k/v views by their pointers and warns that it
-            # prefers the packed tensor; that path selects the views inside TE, whose backward
-            # zero-fills and sums three full qkv gradients. Keep the views, drop the warning.
-            warnings.filterwarnings(
-                "ignore", "Relying on pointer-based detection", DeprecationWarning
-            )
             self.te_attn = backend.te.DotProductAttention(
                 self.np,
                 self.hd,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8.parallel import fused_cross_entropy as fce
 from megafp8.parallel import mappings as M
 
 
@@ -328,8 +329,6 @@ def vocab_parallel_cross_entropy(logits, target, tp_group, fused=False, inplace=
     """Per-token loss from logits ``[..., V/tp]`` (this rank's vocab slice) and full targets.
     ``fused``: the Triton kernels where they can run (CUDA), else this module's torch version;
     ``inplace``: the fused backward may overwrite the logits with their gradient."""
-    from megafp8.parallel import fused_cross_entropy as fce
-
     start = M.rank_in(tp_group) * logits.shape[-1]
     if fused and fce.available(logits):
         return fce.fused_vocab_parallel_cross_entropy(logits, target, tp_group, start, inplace)
