@@ -12,9 +12,10 @@ The torch backend's GEMMs, for y = x w^T with x [M, K], w [N, K], output gradien
     wgrad    dw = (g_q * sg^-1)^T @ (x_q * sx^-1)
 
 with ``x_q, w_q`` E4M3 and ``g_q`` E5M2 under HYBRID. ``gemm="scaled_mm"`` runs them with
-``torch._scaled_mm`` (FP8 tensor cores on Hopper); ``gemm="emulated"`` dequantizes to fp32 and uses
-an fp32 matmul: the same quantized operands, so the same numbers up to fp32 summation order. On the
-CPU the emulation is the default since ``_scaled_mm`` there is a reference loop (~0.1 GFLOP/s).
+``torch._scaled_mm`` (FP8 tensor cores on Hopper); ``gemm="emulated"`` multiplies the same FP8
+values exactly in float64, applies the two scales to the sum and rounds once: a result that does not
+depend on the summation order, so parallel layouts and CPUs agree to the bit wherever their inputs
+do. On the CPU the emulation is the default since ``_scaled_mm`` there is a reference loop.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ log = logging.getLogger(__name__)
 def fp8_gemm(a_q, a_sinv, b_q, b_sinv, out_dtype, gemm: str) -> torch.Tensor:
     """``(a_q * a_sinv) @ (b_q * b_sinv)`` for a [M, K], b [K, N] in FP8."""
     if gemm == "emulated":
-        return ((a_q.float() * a_sinv) @ (b_q.float() * b_sinv)).to(out_dtype)
+        # FP8 values are exact in float64, and so are their products; a sum of them is exact
+        # while it stays within 53 bits, so the result does not depend on the summation order
+        # (the blocking of the CPU's BLAS). The scales are applied once, to the sum, as in
+        # ``_scaled_mm``; one rounding to ``out_dtype``.
+        acc = a_q.double() @ b_q.double()
+        return (acc * (a_sinv.double() * b_sinv.double())).to(out_dtype)
     a_q = a_q if a_q.is_contiguous() else a_q.contiguous()  # row-major first operand
     if not b_q.t().is_contiguous():  # column-major second operand
         b_q = b_q.t().contiguous().t()

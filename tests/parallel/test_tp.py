@@ -15,9 +15,22 @@ from tests.helpers.tiny import tiny_config
 
 # Tolerances. Row-parallel layers sum K/tp-long partial dot products across ranks, in another order
 # than one K-long sum: fp32 rounding differs at ~1e-7 relative per sum and grows through two blocks
-# and the backward pass to ~1e-5 at worst. FP8: the same quantized operands on every layout (scales
-# reduced over TP), but a rounding difference before a cast can flip one FP8 value (a 2^-3 relative
-# step for E4M3), so FP8 comparisons use a looser bound on the norm-relative error.
+# and the backward pass to ~1e-5 at worst.
+#
+# FP8 (torch backend, CPU emulation): a GEMM sums exact FP8 products in float64, so its result does
+# not depend on the summation order (tests/unit/test_fp8.py), and the scales are reduced over TP, so
+# every layout quantizes the same numbers the same way. What remains are the cross-rank fp32 sums
+# above: they move a value by an fp32 ulp or so, and a value lying that close to an FP8 rounding
+# boundary rounds to the neighbouring FP8 value (a "flip": one step, 2^-3 relative in E4M3, 2^-2 in
+# E5M2, for that one element). How often depends on the CPU's last bits, so no bound on fp32 digits
+# holds. Instead the bound is the FP8 quantization noise of the same computation (single process,
+# FP8 vs fp32): there every one of the N quantized elements carries a rounding error of up to half
+# a step (rms step/sqrt(12)), while k flips add k one-step errors; k flips reach a fraction
+# sqrt(12 k / N) of the noise, so half the noise takes ~N/48 flips (hundreds here), where the
+# cross-rank sums give ~2^-20 chance of a flip per quantized element. A TP bug is not FP8 noise:
+# a wrong shard or a missing reduction is O(1), and unreduced scales quantize differently
+# (sqrt(2) x the noise). The per-layer tests (tests/parallel/test_tp_layers.py) are bit-exact.
+FP8_NOISE_SHARE = 0.5
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
@@ -75,16 +88,12 @@ def _compare(cfg, steps):
     out = [(p_loss, r_loss), (p_logits, r_logits), (p_emb, r_emb), grads]
     if cfg.fp8.enabled:  # the same single-process model without FP8: the quantization noise
         ref32, be32 = _model(ref_cfg.replace(fp8=dict(fp8_format=None)), ParallelGroups.single())
-        _, _, e32 = _step(ref32, be32, batch, steps)
-        out.append(
-            (
-                _rel(r_emb, e32),
-                {
-                    k: _rel(v[1], v32[1])
-                    for (k, v), v32 in zip(grads.items(), _shard_pairs(par, ref32).values())
-                },
-            )
-        )
+        _, l32, e32 = _step(ref32, be32, batch, steps)
+        pairs32 = _shard_pairs(par, ref32).values()
+        grad_noise = {
+            k: _rel(v[1], v32[1]) for (k, v), v32 in zip(grads.items(), pairs32, strict=True)
+        }
+        out.append((_rel(r_logits, l32), _rel(r_emb, e32), grad_noise))
     return out
 
 
@@ -124,14 +133,14 @@ def test_tp_matches_single_process(tp, sp, fp8):
             for name, (g, ref) in grads.items():
                 torch.testing.assert_close(g, ref, **FP32_TOL, msg=name)
         else:
-            # Against the quantization noise itself (single-process FP8 vs fp32): the TP run must
-            # be 100x closer to the single-process FP8 run than FP8 is to fp32.
-            emb_noise, grad_noise = noise[0]
-            assert abs(loss - r_loss) / r_loss < 1e-5
-            assert _rel(logits, r_logits) < 1e-5
-            assert _rel(emb, r_emb) < 0.01 * emb_noise
+            logit_noise, emb_noise, grad_noise = noise[0]
+            # |CE(z) - CE(z')| <= 2 max|z - z'| per token (log-sum-exp and the target logit each
+            # move by at most max|z - z'|), so the mean loss is bounded by the logits, + fp32.
+            assert abs(loss - r_loss) <= 2 * (logits - r_logits).abs().max() + 1e-6 * r_loss
+            assert _rel(logits, r_logits) < FP8_NOISE_SHARE * logit_noise
+            assert _rel(emb, r_emb) < FP8_NOISE_SHARE * emb_noise
             for name, (g, ref) in grads.items():
-                assert _rel(g, ref) < 0.01 * grad_noise[name] + 1e-6, name
+                assert _rel(g, ref) < FP8_NOISE_SHARE * grad_noise[name] + 1e-6, name
 
 
 def test_tp4_with_kv_heads_replicated():

@@ -71,12 +71,12 @@ def test_saturation_and_underflow():
     assert tiny.float().tolist() == [0.0, 2.0**-9]
 
 
-def _qdq(x, meta_scale, dtype):
-    return cast_to_fp8(x, meta_scale, dtype).float() * meta_scale.reciprocal()  # x_q * scale_inv
+def _q(x, meta_scale, dtype):
+    return cast_to_fp8(x, meta_scale, dtype).double()  # the FP8 values, exactly
 
 
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_three_gemms_bitwise_equal_quantize_dequantize_matmul(fmt):
+def test_three_gemms_bitwise_equal_exact_fp8_products(fmt):
     torch.manual_seed(0)
     st = Fp8State(Fp8Recipe(fmt, "tensorwise"))
     lin = LocalLinear(
@@ -92,11 +92,29 @@ def test_three_gemms_bitwise_equal_quantize_dequantize_matmul(fmt):
     sw = 448.0 / lin.weight.detach().abs().amax()
     gdt = E5M2 if fmt == "hybrid" else E4M3
     sg = (57344.0 if fmt == "hybrid" else 448.0) / g.abs().amax()
-    xd, wd = _qdq(x.detach().reshape(-1, 48), sx, E4M3), _qdq(lin.weight.detach(), sw, E4M3)
-    gd = _qdq(g.reshape(-1, 32), sg, gdt)
-    assert torch.equal(y.detach().reshape(-1, 32), xd @ wd.t())
-    assert torch.equal(x.grad.reshape(-1, 48), gd @ wd)
-    assert torch.equal(lin.weight.grad, gd.t() @ xd)
+    xq, wq = _q(x.detach().reshape(-1, 48), sx, E4M3), _q(lin.weight.detach(), sw, E4M3)
+    gq = _q(g.reshape(-1, 32), sg, gdt)
+    # the FP8 values multiplied exactly, summed in float64, scaled once, rounded once to fp32
+    mm = lambda a, sa, b, sb: ((a @ b) * (sa.reciprocal().double() * sb.reciprocal())).float()
+    assert torch.equal(y.detach().reshape(-1, 32), mm(xq, sx, wq.t(), sw))
+    assert torch.equal(x.grad.reshape(-1, 48), mm(gq, sg, wq, sw))
+    assert torch.equal(lin.weight.grad, mm(gq.t(), sg, xq, sx))
+
+
+def test_emulated_gemm_does_not_depend_on_summation_order():
+    """The CPU emulation sums exact FP8 products in float64: permuting K, or splitting it into
+    partial GEMMs added in any order, gives the same bits (the basis of the parallel tests'
+    tolerances: a GEMM never moves a value across an FP8 rounding boundary by its blocking)."""
+    g = torch.Generator().manual_seed(4)
+    a = (torch.randn(24, 96, generator=g) * 30).to(E4M3)
+    b = (torch.randn(96, 40, generator=g) * 30).to(E4M3)
+    sa, sb = torch.tensor(0.013), torch.tensor(0.71)
+    ref = fp8_gemm(a, sa, b, sb, torch.float32, "emulated")
+    perm = torch.randperm(96, generator=g)
+    assert torch.equal(fp8_gemm(a[:, perm], sa, b[perm], sb, torch.float32, "emulated"), ref)
+    parts = [a.double()[:, i : i + 32] @ b.double()[i : i + 32] for i in (64, 0, 32)]
+    split = ((parts[0] + parts[1] + parts[2]) * (sa.double() * sb.double())).float()
+    assert torch.equal(split, ref)
 
 
 def test_scaled_mm_matches_emulation():
