@@ -192,7 +192,7 @@ class CommCounter:
 
 def measure_block(cfg, groups) -> dict:
     """One forward + backward of layer 0 on this rank: saved bytes by region, collectives."""
-    from megafp8.fp8.backends import build_backend
+    from megafp8.fp8.backend import build_backend
     from megafp8.model.block import TransformerBlock
     from megafp8.parallel import mappings as M
 
@@ -206,6 +206,7 @@ def measure_block(cfg, groups) -> dict:
         fp8=backend.fp8,
         dtype=torch.float32,
         device=None,
+        kv_group=groups.kv_replica_group(cfg.model.kv_heads),
     )
     block.train()
     m = cfg.model
@@ -231,7 +232,10 @@ def _rank(cases):
     """In each TP rank: build the groups, measure every case (each a config)."""
     from megafp8.parallel.groups import ParallelGroups
 
-    groups = ParallelGroups.build(tp=cases[0].parallel.tensor_model_parallel_size)
+    c = cases[0]
+    groups = ParallelGroups.build(
+        tp=c.parallel.tensor_model_parallel_size, kv_heads=c.model.kv_heads
+    )
     return [measure_block(c, groups) for c in cases]
 
 
@@ -323,8 +327,10 @@ def comm_formula(s, b, h, t, sp, e=4) -> dict[str, dict[str, int]]:
         return {"forward": {}, "backward": {}}
     n = s * b * h * e
     if sp:
-        return {"forward": {"all_gather": 2 * n, "reduce_scatter": 2 * n},
-                "backward": {"all_gather": 4 * n, "reduce_scatter": 2 * n}}
+        return {
+            "forward": {"all_gather": 2 * n, "reduce_scatter": 2 * n},
+            "backward": {"all_gather": 4 * n, "reduce_scatter": 2 * n},
+        }
     return {"forward": {"all_reduce": 2 * n}, "backward": {"all_reduce": 2 * n}}
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megafp8 import checkpoint, metrics
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, validate
-from megafp8.fp8.backends import build_backend
+from megafp8.fp8.backend import build_backend
 from megafp8.model.gpt import GPTModel
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
@@ -76,7 +76,10 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     p = cfg.parallel
     groups = ParallelGroups.build(
-        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.expert_model_parallel_size,
+        kv_heads=cfg.model.kv_heads,
     )
     return groups, device
 

@@ -85,7 +85,7 @@ class ScalingMeta:
         self.scale = self.scale.to(device)
         return self
 
-    def quantize(self, x: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(x_fp8, scale_inv)``. Current scaling reduces the amax over ``group`` now."""
         if self.amax_history.device != x.device:
             self.to(x.device)
@@ -127,7 +127,8 @@ class Fp8State:
     reducing over DP alone lets TP ranks pick different scales for one logical tensor.
     """
 
-    def __init__(self, recipe: Fp8Recipe, amax_group=None):
+    def __init__(self, recipe: Fp8Recipe, *, amax_group):
+        world(amax_group)  # required, even of size 1
         self.recipe, self.amax_group = recipe, amax_group
         self.metas: dict[str, ScalingMeta] = {}
 
@@ -148,7 +149,7 @@ class Fp8State:
         if world(self.amax_group) > 1:
             cur = torch.stack([m.amax_history[0] for m in metas])
             dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=self.amax_group)
-            for m, a in zip(metas, cur):
+            for m, a in zip(metas, cur, strict=True):
                 m.amax_history[0] = a
         for m in metas:
             m.update_from_history()

@@ -10,26 +10,18 @@ separate KV projection holds that group's rows, and their gradient is summed ove
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megafp8.parallel.random import TP_STREAM
 
 
 def rope_tables(seq: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * base^(-2i/dim), each [s, 1, 1, dim] (both halves alike)."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [s, d/2]
     ang = torch.cat([ang, ang], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
     return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, n, d]; rotate-half RoPE (Megatron's non-interleaved layout)."""
-    d = x.shape[-1] // 2
-    rot = torch.cat([-x[..., d:], x[..., :d]], dim=-1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
 
 def qkv_rows(heads: int, kv: int, hd: int, tp: int, rank: int) -> torch.Tensor:
@@ -41,6 +33,16 @@ def qkv_rows(heads: int, kv: int, hd: int, tp: int, rank: int) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v, then the output projection.
+
+    Shards: this TP rank holds np = heads / tp query heads and kvp = max(1, kv / tp) kv heads: the
+    rows of the fused QKV weight [(heads + 2 kv) hd, h] that produce them (column-parallel), and
+    the matching columns of the output projection [h, heads hd] (row-parallel, summed over TP).
+    Under SP the input is a sequence shard [s/tp, b, h], all-gathered by the QKV GEMM, and the
+    output is reduce-scattered back to [s/tp, b, h]. ``kv_group``: the TP ranks sharing this
+    rank's kv head (``SOLO`` when tp <= kv), over which the k/v rows' gradients are summed.
+    """
+
     def __init__(
         self,
         cfg,
@@ -52,8 +54,8 @@ class SelfAttention(nn.Module):
         fp8: bool,
         dtype,
         device,
+        kv_group,
         rng=None,
-        kv_group=None,
         norm=None,
     ):
         super().__init__()
@@ -77,6 +79,7 @@ class SelfAttention(nn.Module):
         )
         qkv_out = (self.heads + 2 * self.kv) * self.hd
         self.fused = self.kv % tp == 0
+        self.backend = backend
         if self.fused:
             self.qkv = ColumnParallelLinear(
                 m.hidden_size,
@@ -84,6 +87,7 @@ class SelfAttention(nn.Module):
                 name=f"{name}.qkv",
                 rows=qkv_rows(self.heads, self.kv, self.hd, tp, r),
                 norm=norm,
+                weight_grad_group=M.SOLO,
                 **kw,
             )
         else:  # tp > kv: q split by heads, k/v of this rank's group replicated
@@ -101,7 +105,12 @@ class SelfAttention(nn.Module):
             q_rows = q_rows.view(tp, -1)[r]
             kv_rows = torch.arange(base + hpg * self.hd, base + (hpg + 2) * self.hd)
             self.q = ColumnParallelLinear(
-                m.hidden_size, qkv_out, name=f"{name}.qkv", rows=q_rows, **kw
+                m.hidden_size,
+                qkv_out,
+                name=f"{name}.qkv",
+                rows=q_rows,
+                weight_grad_group=M.SOLO,
+                **kw,
             )
             self.kv_proj = ColumnParallelLinear(
                 m.hidden_size,
@@ -117,16 +126,9 @@ class SelfAttention(nn.Module):
             name=f"{name}.proj",
             **{**kw, "std": m.init_method_std / (2.0 * m.num_layers) ** 0.5},
         )
-        self.te_attn = None
-        if backend.name == "te":
-            self.te_attn = backend.te.DotProductAttention(
-                self.np,
-                self.hd,
-                num_gqa_groups=self.kvp,
-                attention_dropout=self.dropout,
-                attn_mask_type="causal",
-                qkv_format="sbhd",
-            )
+        self.core = backend.make_core_attention(
+            self.np, self.hd, self.kvp, dropout=self.dropout, rng=rng
+        )
 
     def forward(self, x, rope=None):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
         if self.fused:
@@ -146,28 +148,10 @@ class SelfAttention(nn.Module):
         else:
             q = self.q(x)
             s, b = q.shape[:2]
-            q = q.view(s, b, self.np, self.hd)
-            kv = self.kv_proj(x).view(s, b, 2, self.hd)
+            q = q.view(s, b, self.np, self.hd)  # [s, b, np, hd]
+            kv = self.kv_proj(x).view(s, b, 2, self.hd)  # [s, b, k|v, hd]
             k, v = kv[:, :, 0:1], kv[:, :, 1:2]  # [s, b, 1, hd]
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.te_attn is not None:
-            ctx = self.te_attn(q, k, v)  # [s, b, np*hd]; TE copies a layout it cannot read
-        else:
-            ctx = self._sdpa(q, k, v)
+            q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
+        ctx = self.core(q, k, v)  # [s, b, np*hd]
         return self.proj(ctx)
-
-    def _sdpa(self, q, k, v):
-        s, b = q.shape[:2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hd]
-        p = self.dropout if self.training else 0.0
-        if p > 0 and self.rng is not None:
-            with self.rng.fork(TP_STREAM):
-                o = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.kvp != self.np
-                )
-        else:
-            o = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.kvp != self.np
-            )
-        return o.permute(2, 0, 1, 3).reshape(s, b, self.np * self.hd)  # [s, b, np*hd]

@@ -7,22 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.model.attention import SelfAttention
-from megafp8.model.mlp import MLP, TEFusedMLP
+from megafp8.model.mlp import MLP
 from megafp8.parallel.layers import allreduce_grad_hook
 from megafp8.parallel.random import TP_STREAM
 
 
 def make_norm(cfg, backend, groups, dtype, device) -> nn.Module:
-    """LayerNorm or RMSNorm (TE's fused kernels under the te backend). Under SP the norm runs on
-    sequence shards, so its weights' gradients are summed over TP."""
+    """LayerNorm or RMSNorm from the backend. Under SP the norm runs on sequence shards, so its
+    weights' gradients are summed over TP."""
     m = cfg.model
-    if backend.name == "te":
-        cls = backend.te.LayerNorm if m.normalization == "LayerNorm" else backend.te.RMSNorm
-        norm = cls(m.hidden_size, eps=m.norm_epsilon, params_dtype=dtype, device=device or "cuda")
-    elif m.normalization == "LayerNorm":
-        norm = nn.LayerNorm(m.hidden_size, eps=m.norm_epsilon, dtype=dtype, device=device)
-    else:
-        norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon, dtype=dtype, device=device)
+    norm = backend.make_norm(
+        m.normalization, m.hidden_size, m.norm_epsilon, dtype=dtype, device=device
+    )
     if cfg.parallel.sequence_parallel:
         for p in norm.parameters():
             allreduce_grad_hook(p, groups.tp_group)
@@ -30,6 +26,14 @@ def make_norm(cfg, backend, groups, dtype, device) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block: x + drop(attn(norm1(x))), then x + drop(mlp(norm2(x))).
+
+    Every rank holds the full norms (replicated; their gradients summed over TP under SP) and its
+    TP shards of the attention and MLP. The residual stream is [s, b, h], or the sequence shard
+    [s/tp, b, h] under SP, where dropout on it runs on the TP RNG stream. A backend that fuses the
+    norm into the next GEMM gets it there (``norm1``/``norm2`` are then identities).
+    """
+
     def __init__(
         self,
         cfg,
@@ -41,8 +45,8 @@ class TransformerBlock(nn.Module):
         fp8: bool,
         dtype,
         device,
+        kv_group,
         rng=None,
-        kv_group=None,
     ):
         super().__init__()
         m = cfg.model
@@ -63,8 +67,9 @@ class TransformerBlock(nn.Module):
         self.norm1 = nn.Identity() if attn_norm else make_norm(cfg, backend, groups, dtype, device)
         self.attn = SelfAttention(cfg, rng=rng, kv_group=kv_group, norm=attn_norm, **kw)
         self.norm2 = nn.Identity() if norm else make_norm(cfg, backend, groups, dtype, device)
-        if norm and cfg.fp8.te_fused_mlp:
-            self.mlp = TEFusedMLP(cfg, **kw)
+        if norm and backend.fuses_mlp:
+            fused = dict(groups=groups, layer=layer, seed=seed, fp8=fp8, dtype=dtype, device=device)
+            self.mlp = backend.make_fused_mlp(cfg, **fused)
         else:
             self.mlp = MLP(cfg, norm=norm, **kw)
         self.p = cfg.model.hidden_dropout

@@ -35,24 +35,16 @@ def layer_uses_fp8(cfg: Config, i: int) -> bool:
     return True
 
 
-def kv_replica_group(groups, cfg):
-    """When tp exceeds the kv heads: the TP sub-group of ranks sharing this rank's kv head.
-    Every rank creates every such group (torch.distributed needs all ranks in new_group)."""
-    tp, kv = groups.tp, cfg.model.kv_heads
-    if tp <= kv or tp == 1:
-        return None
-    share = tp // kv
-    mine = None
-    for tp_ranks in groups.all_tp_groups():
-        for g in range(kv):
-            ranks = tp_ranks[g * share : (g + 1) * share]
-            pg = torch.distributed.new_group(ranks)
-            if groups.rank in ranks:
-                mine = pg
-    return mine
-
-
 class GPTModel(nn.Module):
+    """embedding (+ learned positions) -> num_layers TransformerBlocks -> final norm -> logits
+    x E^T (tied) or x W_out^T (untied) -> vocab-parallel cross-entropy.
+
+    Shards: this TP rank holds padded_vocab / tp rows of the embedding (and of the output layer
+    when untied) and its shards of every block; positions, norms and the mean loss are the same on
+    every rank. Logits stay split along the vocab ([s, b, V/tp]); the loss reduces over TP without
+    gathering them.
+    """
+
     def __init__(self, cfg: Config, *, backend, groups, vocab_size: int, device=None, rng=None):
         super().__init__()
         m = cfg.model
@@ -85,7 +77,7 @@ class GPTModel(nn.Module):
                     dtype,
                 )
             )
-        kv_group = kv_replica_group(groups, cfg)
+        kv_group = groups.kv_replica_group(m.kv_heads)
         self.layers = nn.ModuleList(
             TransformerBlock(
                 cfg,

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megafp8.parallel.mappings import SOLO
+
 
 @dataclass(frozen=True)
 class Coords:
@@ -104,12 +106,20 @@ class ParallelGroups:
     tp_dp_group: Any
     mp_group: Any
     ranks: dict  # kind -> this rank's group as a rank list
+    kv_heads: int | None = None  # the kv heads the kv-replica groups were built for
+    kv_group: Any = SOLO  # the TP ranks sharing this rank's kv head (when tp > kv heads)
 
     @classmethod
     def build(
-        cls, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None
+        cls,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        kv_heads: int | None = None,
+        backend: str | None = None,
     ) -> ParallelGroups:
-        """Create all groups; torch.distributed must already be initialized."""
+        """Create all groups; torch.distributed must already be initialized. ``kv_heads``: the
+        model's kv heads, for the kv-replica groups a model with tp > kv heads needs."""
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = Layout(world, tp, pp, ep)
         mine: dict[str, Any] = {}
@@ -122,6 +132,11 @@ class ParallelGroups:
                     g = dist.new_group(ranks, backend=backend)
                 if rank in ranks:
                     mine[name], my_ranks[name] = g, ranks
+        kv_group = SOLO
+        for ranks in kv_replica_ranks(layout, kv_heads):
+            g = dist.new_group(ranks, backend=backend)  # every rank creates every group
+            if rank in ranks:
+                kv_group, my_ranks["kv"] = g, ranks
         return cls(
             layout=layout,
             rank=rank,
@@ -134,23 +149,25 @@ class ParallelGroups:
             tp_dp_group=mine["tp_dp"],
             mp_group=mine["mp"],
             ranks=my_ranks,
+            kv_heads=kv_heads,
+            kv_group=kv_group,
         )
 
     @classmethod
     def single(cls) -> ParallelGroups:
-        """One process with no torch.distributed: every group is None and of size 1."""
+        """One process with no torch.distributed: every group is ``SOLO`` (size 1)."""
         layout = Layout(1)
         return cls(
             layout=layout,
             rank=0,
             coords=coords(0, layout),
-            tp_group=None,
-            dp_group=None,
-            pp_group=None,
-            ep_group=None,
-            edp_group=None,
-            tp_dp_group=None,
-            mp_group=None,
+            tp_group=SOLO,
+            dp_group=SOLO,
+            pp_group=SOLO,
+            ep_group=SOLO,
+            edp_group=SOLO,
+            tp_dp_group=SOLO,
+            mp_group=SOLO,
             ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "mp")},
         )
 
@@ -169,6 +186,20 @@ class ParallelGroups:
     def all_tp_groups(self) -> list[list[int]]:
         """Every TP group of the world, in creation order."""
         return group_ranks(self.layout)["tp"]
+
+    def kv_replica_group(self, kv_heads: int):
+        """The group over which a model with ``kv_heads`` sums its replicated k/v rows' gradients:
+        ``SOLO`` when tp <= kv heads (nothing is replicated), else the TP ranks sharing this
+        rank's kv head, which ``build(kv_heads=...)`` must have created."""
+        if self.tp <= kv_heads:
+            return SOLO
+        if self.kv_heads != kv_heads:
+            raise ValueError(
+                f"the model has {kv_heads} kv heads at tp={self.tp} (replicated k/v), but the "
+                f"process groups were built for kv_heads={self.kv_heads}: "
+                f"ParallelGroups.build(..., kv_heads={kv_heads})"
+            )
+        return self.kv_group
 
     def as_deepspeed_mpu(self) -> DeepSpeedMpu:
         return DeepSpeedMpu(self)
@@ -246,6 +277,20 @@ class DeepSpeedMpu:
 
     def get_sequence_data_parallel_rank(self):
         return self._g.coords.dp
+
+
+def kv_replica_ranks(layout: Layout, kv_heads: int | None) -> list[list[int]]:
+    """When tp exceeds the kv heads, each kv head is held by tp / kv consecutive ranks of a TP
+    group: those rank lists, for every TP group, in creation order (none when tp <= kv)."""
+    if kv_heads is None or layout.tp <= kv_heads:
+        return []
+    if layout.tp % kv_heads:
+        raise ValueError(f"tp={layout.tp} is not a multiple of kv_heads={kv_heads}")
+    share = layout.tp // kv_heads
+    out = []
+    for tp_ranks in group_ranks(layout)["tp"]:
+        out += [tp_ranks[g * share : (g + 1) * share] for g in range(kv_heads)]
+    return out
 
 
 def all_layouts(max_world: int) -> list[Layout]:

@@ -102,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
         bias=True,
         sequence_parallel=False,
         rows: torch.Tensor | None = None,
-        weight_grad_group=None,
+        weight_grad_group,
         dtype=torch.float32,
         device=None,
         fp8=True,
@@ -159,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
                 mark_tp(p, 0, f"{name}.linear.{kind}", rows)
             else:
                 mark_full(p, f"{name}.linear.{kind}")
-            if weight_grad_group is not None:  # rows replicated within weight_grad_group
+            if M.world(weight_grad_group) > 1:  # rows replicated within weight_grad_group
                 allreduce_grad_hook(p, weight_grad_group)
                 # gradient-norm clipping counts a shard on every rank that marks it so, and an
                 # unmarked parameter on TP rank 0 only: mark the first copy alone, so each
@@ -173,7 +173,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):  # x: [s(/tp under SP), b, in] -> [s, b, out/tp]
         if self.sequence_parallel:
             lin = self.linear
-            if getattr(lin, "state", "") is None:  # a plain GEMM: save the shard, not the gather
+            if lin.plain:  # torch's GEMM: run it here, saving the shard, not the gather
                 return _SeqGatherLinear.apply(x, lin.weight, lin.bias, self.tp_group)
             x = M.gather_from_sequence_parallel_region(x, self.tp_group, True)
         else:

@@ -1,8 +1,8 @@
 """Autograd collectives over an explicit group (Megatron's mappings, groups passed in).
 
 Tensor-parallel (TP) regions split the last dim; sequence-parallel (SP) regions split dim 0 of the
-sequence-first ``[s, b, h]`` activations. A ``None`` group or a group of size 1
-communicates nothing.
+sequence-first ``[s, b, h]`` activations. A group of size 1 communicates nothing; one process alone
+(no torch.distributed) passes ``SOLO``. ``None`` is not a group: a forgotten group is an error.
 On gloo, which has no reduce-scatter, reduce-scatter is an all-reduce followed by taking this rank's
 chunk: the same numbers, more traffic (CPU tests only; NCCL uses the real collective).
 """
@@ -13,12 +13,27 @@ import torch
 import torch.distributed as dist
 
 
+class _Solo:
+    """The group of this process alone, usable without torch.distributed."""
+
+    def __repr__(self) -> str:
+        return "SOLO"
+
+
+SOLO = _Solo()
+
+
 def world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    """The size of ``group`` (1 for ``SOLO``); ``None`` raises TypeError."""
+    if group is SOLO:
+        return 1
+    if group is None:
+        raise TypeError("no process group given (None); one process alone is mappings.SOLO")
+    return dist.get_world_size(group)
 
 
 def rank_in(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if world(group) == 1 else dist.get_rank(group)
 
 
 def _is_gloo(group) -> bool:

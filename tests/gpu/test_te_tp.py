@@ -19,12 +19,16 @@ def _rel(a, b):
 
 
 def _loss_and_grads(cfg, tp):
-    from megafp8.fp8.backends import build_backend
+    from megafp8.fp8.backend import build_backend
     from megafp8.model.gpt import GPTModel
     from megafp8.parallel.groups import ParallelGroups
 
     torch.cuda.set_device(0)
-    groups = ParallelGroups.build(tp=tp) if tp > 1 else ParallelGroups.single()
+    groups = (
+        ParallelGroups.build(tp=tp, kv_heads=cfg.model.kv_heads)
+        if tp > 1
+        else ParallelGroups.single()
+    )
     be = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
     model = GPTModel(cfg, backend=be, groups=groups, vocab_size=256, device="cuda")
     g = torch.Generator().manual_seed(5)

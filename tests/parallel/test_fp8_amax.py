@@ -15,7 +15,7 @@ from tests.helpers.tiny import tiny_config
 def _scales_after_step(group_kind):
     import torch.distributed as dist
 
-    from megafp8.fp8.backends import build_backend
+    from megafp8.fp8.backend import build_backend
     from megafp8.model.gpt import GPTModel
     from megafp8.parallel.groups import ParallelGroups
 

@@ -39,7 +39,7 @@ def _rel(a, b):
 
 
 def _model(cfg, groups):
-    from megafp8.fp8.backends import build_backend
+    from megafp8.fp8.backend import build_backend
     from megafp8.model.gpt import GPTModel
 
     backend = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
@@ -76,7 +76,7 @@ def _compare(cfg, steps):
     from megafp8.parallel.groups import ParallelGroups
 
     tp = cfg.parallel.tensor_model_parallel_size
-    groups = ParallelGroups.build(tp=tp)
+    groups = ParallelGroups.build(tp=tp, kv_heads=cfg.model.kv_heads)
     batch = _batch(cfg)
     ref_cfg = cfg.replace(parallel=dict(tensor_model_parallel_size=1, sequence_parallel=False))
     ref, ref_be = _model(ref_cfg, ParallelGroups.single())

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from megafp8.fp8.backends import LocalLinear, fp8_gemm
 from megafp8.fp8.recipe import (
     E4M3,
     E5M2,
@@ -13,6 +12,8 @@ from megafp8.fp8.recipe import (
     cast_to_fp8,
     compute_scale,
 )
+from megafp8.fp8.torch_backend import Fp8Linear, fp8_gemm
+from megafp8.parallel.mappings import SOLO
 
 
 def test_compute_scale_by_hand():
@@ -27,10 +28,10 @@ def test_compute_scale_by_hand():
 def test_delayed_history_max_and_most_recent():
     for algo, expect in (("max", 448.0 / 8.0), ("most_recent", 448.0 / 2.0)):
         r = Fp8Recipe("hybrid", "delayed", margin=0, amax_history_len=3, amax_compute_algo=algo)
-        st = Fp8State(r)
+        st = Fp8State(r, amax_group=SOLO)
         m = st.meta("lin", "x")
         for a in (8.0, 4.0, 2.0):  # three steps; each records one amax then updates
-            m.quantize(torch.tensor([a, -a / 2]))
+            m.quantize(torch.tensor([a, -a / 2]), SOLO)
             st.update()
         # after the updates the history is rolled: slot 0 empty, newest amax at slot 1
         assert m.amax_history.tolist() == [0.0, 2.0, 4.0]
@@ -38,19 +39,19 @@ def test_delayed_history_max_and_most_recent():
 
 
 def test_delayed_scale_used_is_the_previous_one():
-    st = Fp8State(Fp8Recipe(amax_history_len=4))
+    st = Fp8State(Fp8Recipe(amax_history_len=4), amax_group=SOLO)
     m = st.meta("l", "x")
-    _, sinv = m.quantize(torch.tensor([10.0]))
+    _, sinv = m.quantize(torch.tensor([10.0]), SOLO)
     assert sinv.item() == 1.0  # first use: initial scale 1
     st.update()
-    _, sinv = m.quantize(torch.tensor([1.0]))
+    _, sinv = m.quantize(torch.tensor([1.0]), SOLO)
     assert sinv.item() == pytest.approx(10.0 / 448.0)
 
 
 def test_current_scaling_uses_own_amax():
     m = ScalingMeta(Fp8Recipe(recipe="tensorwise"), "x")
     x = torch.tensor([1.0, -3.5, 0.25])
-    q, sinv = m.quantize(x)
+    q, sinv = m.quantize(x, SOLO)
     assert sinv.item() == pytest.approx(3.5 / 448.0)
     assert q.float().abs().max().item() == 448.0
 
@@ -78,9 +79,17 @@ def _q(x, meta_scale, dtype):
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_three_gemms_bitwise_equal_exact_fp8_products(fmt):
     torch.manual_seed(0)
-    st = Fp8State(Fp8Recipe(fmt, "tensorwise"))
-    lin = LocalLinear(
-        48, 32, False, name="l", state=st, gemm="emulated", group=None, dtype=torch.float32
+    st = Fp8State(Fp8Recipe(fmt, "tensorwise"), amax_group=SOLO)
+    lin = Fp8Linear(
+        48,
+        32,
+        False,
+        name="l",
+        state=st,
+        gemm="emulated",
+        group=SOLO,
+        dtype=torch.float32,
+        device=None,
     )
     with torch.no_grad():
         lin.weight.normal_()
@@ -134,9 +143,17 @@ def test_error_bounds_vs_fp32(fmt, tol):
     """Relative error of FP8 vs fp32 on Gaussian data: E4M3 has 3 mantissa bits (unit roundoff
     2^-4 = 6%), per element errors average out in the dot products; E5M2 gradients have 2 bits."""
     torch.manual_seed(2)
-    st = Fp8State(Fp8Recipe(fmt, "tensorwise"))
-    lin = LocalLinear(
-        256, 128, False, name="l", state=st, gemm="emulated", group=None, dtype=torch.float32
+    st = Fp8State(Fp8Recipe(fmt, "tensorwise"), amax_group=SOLO)
+    lin = Fp8Linear(
+        256,
+        128,
+        False,
+        name="l",
+        state=st,
+        gemm="emulated",
+        group=SOLO,
+        dtype=torch.float32,
+        device=None,
     )
     ref = torch.nn.Linear(256, 128, bias=False)
     with torch.no_grad():
@@ -155,10 +172,10 @@ def test_error_bounds_vs_fp32(fmt, tol):
 
 
 def test_state_dict_round_trip():
-    st = Fp8State(Fp8Recipe(amax_history_len=4))
-    st.meta("a", "x").quantize(torch.tensor([3.0]))
+    st = Fp8State(Fp8Recipe(amax_history_len=4), amax_group=SOLO)
+    st.meta("a", "x").quantize(torch.tensor([3.0]), SOLO)
     st.update()
-    st2 = Fp8State(Fp8Recipe(amax_history_len=4))
+    st2 = Fp8State(Fp8Recipe(amax_history_len=4), amax_group=SOLO)
     st2.load_state_dict(st.state_dict())
     assert torch.equal(st2.meta("a", "x").scale, st.meta("a", "x").scale)
     assert torch.equal(st2.meta("a", "x").amax_history, st.meta("a", "x").amax_history)

@@ -1,0 +1,196 @@
+"""The backend protocol: every kernel a model room builds comes from here.
+
+``model/`` composes layers; the kernels inside them (the local GEMM of a TP layer, a norm fused in
+front of a GEMM, the norms, core attention, rotary embedding, a fused MLP) are built through a
+``Backend``. Three implement it:
+
+- ``Backend`` itself ("none"): plain torch in the parameters' dtype (bf16 or fp32), no FP8.
+- ``torch_backend.TorchBackend`` ("torch"): our FP8 recipe, ``torch._scaled_mm`` on CUDA and an
+  exact emulation of the same GEMM on the CPU.
+- ``te_backend.TEBackend`` ("te"): Transformer Engine modules and recipes. It is the only module
+  outside the tests that imports Transformer Engine.
+
+A backend also wraps the model's forward in its autocast (``autocast``), is told each micro-batch's
+index before its forward (``microbatch``) and steps its scaling state after its backward
+(``update``). Process groups are always passed in; a layer with no parallelism passes
+``mappings.SOLO``, never ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.parallel.mappings import world
+from megafp8.parallel.random import TP_STREAM
+
+log = logging.getLogger(__name__)
+
+
+class PlainLinear(nn.Module):
+    """y = x w^T (+ b) on this rank's shard with torch's GEMM. ``plain`` tells a TP layer that it
+    may run this GEMM itself (the sequence-parallel gather that saves only the shard)."""
+
+    plain = True
+
+    def __init__(self, in_features, out_features, bias, *, dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
+
+    def forward(self, x):  # [..., in] -> [..., out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class SdpaAttention(nn.Module):
+    """Causal softmax(q k^T / sqrt(d)) v of this rank's heads with torch's SDPA. Grouped-query:
+    ``kv_heads`` < ``heads``, each kv head serving ``heads / kv_heads`` query heads. Dropout on the
+    attention probabilities runs on the TP RNG stream (each rank's heads differ, as one process's
+    heads do)."""
+
+    def __init__(self, heads: int, head_dim: int, kv_heads: int, dropout: float, rng=None):
+        super().__init__()
+        self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
+        self.dropout, self.rng = dropout, rng
+
+    def forward(self, q, k, v):  # q [s, b, np, hd], k/v [s, b, kvp, hd] -> [s, b, np*hd]
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hd]
+        p = self.dropout if self.training else 0.0
+        gqa = self.kv_heads != self.heads
+        fork = self.rng.fork(TP_STREAM) if p > 0 and self.rng is not None else None
+        with fork or contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
+            )  # [b, np, s, hd]
+        return o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, np*hd]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [s, b, n, d]; rotate-half RoPE (Megatron's non-interleaved layout), in fp32."""
+    d = x.shape[-1] // 2
+    rot = torch.cat([-x[..., d:], x[..., :d]], dim=-1)  # [s, b, n, d]: (-x2, x1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class Backend:
+    """The protocol, implemented with plain torch ("none").
+
+    ``fp8``: whether this backend's GEMMs are FP8 at all. ``fuses_norm``: whether
+    ``make_norm_linear`` exists (a norm fused into the GEMM that follows it). ``fuses_mlp``: whether
+    ``make_fused_mlp`` exists (norm + fc1 + activation + fc2 in one module).
+    """
+
+    name = "none"
+    fp8 = False
+    fuses_norm = False
+    fuses_mlp = False
+
+    def make_linear(
+        self, in_features, out_features, bias, *, name, group, fp8=True, dtype, device=None
+    ) -> nn.Module:
+        """The local GEMM of a TP layer (``group``: the ranks holding shards of it, whose FP8
+        scales must agree). The module has ``weight`` [out, in], ``bias`` and ``plain``."""
+        world(group)  # a group is required even where nothing is reduced
+        return PlainLinear(in_features, out_features, bias, dtype=dtype, device=device)
+
+    def make_norm_linear(
+        self, in_features, out_features, bias, *, normalization, eps, fp8=True, dtype, device
+    ) -> nn.Module:
+        """norm(x) w^T in one module, with ``norm_parameters()``; only where ``fuses_norm``."""
+        raise NotImplementedError(f"backend {self.name!r} does not fuse norms into GEMMs")
+
+    def make_fused_mlp(self, cfg, *, groups, layer, seed, fp8, dtype, device) -> nn.Module:
+        """norm + fc1 + activation + fc2 of one layer's MLP shard; only where ``fuses_mlp``."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused MLP")
+
+    def make_norm(self, normalization: str, hidden: int, eps: float, *, dtype, device) -> nn.Module:
+        """LayerNorm or RMSNorm over the last dim."""
+        if normalization == "LayerNorm":
+            return nn.LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
+        return nn.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+
+    def make_core_attention(
+        self, heads: int, head_dim: int, kv_heads: int, *, dropout: float, rng=None
+    ) -> nn.Module:
+        """Causal attention of this rank's heads: (q [s,b,np,hd], k, v [s,b,kvp,hd]) ->
+        [s, b, np*hd]."""
+        return SdpaAttention(heads, head_dim, kv_heads, dropout, rng)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary position embedding of q or k [s, b, n, d] with tables [s, 1, 1, d]."""
+        return apply_rope(x, cos, sin)
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def microbatch(self, index: int | None) -> None:
+        """Before each micro-batch's forward: its index within the iteration (``None`` outside
+        training, e.g. evaluation)."""
+
+    def update(self) -> None:
+        """After each micro-batch's forward + backward."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def resolve_backend_name(f) -> str:
+    """``auto``: te where TE and a GPU are present, else torch; ``none`` when FP8 is off."""
+    if f.fp8_backend == "te":
+        return "te"
+    if not f.enabled:
+        return "none"
+    if f.fp8_backend == "auto":
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "torch"
+        from megafp8.fp8.te_backend import te_available
+
+        return "te" if te_available() else "torch"
+    return f.fp8_backend
+
+
+def build_backend(f, *, amax_group, tp_group) -> Backend:
+    """From an ``Fp8Config``. ``amax_group``: every rank holding a shard or replica of the same
+    tensors (TP x DP), over which FP8 amaxes are reduced; ``tp_group``: this rank's TP group."""
+    from megafp8.fp8.recipe import Fp8Recipe
+
+    name = resolve_backend_name(f)
+    recipe = Fp8Recipe.from_config(f) if f.enabled else None
+    world(amax_group), world(tp_group)  # both required, even when of size 1
+    if name == "te":
+        if not importlib.util.find_spec("transformer_engine"):
+            raise ValueError("fp8_backend='te' needs Transformer Engine: pip install -e .[te]")
+        from megafp8.fp8.te_backend import TEBackend
+
+        if recipe is not None and world(tp_group) > 1:
+            log.warning(
+                "FP8 on the te backend at tensor_model_parallel_size=%d: its gradients are not "
+                "yet proven equal to one process's (tests/gpu/test_te_tp.py); those of "
+                "--fp8-backend torch are",
+                world(tp_group),
+            )
+        return TEBackend(
+            recipe,
+            amax_group=amax_group,
+            fused_norm=f.te_fused_norm,
+            fused_mlp=f.te_fused_mlp,
+            weight_cache=f.te_weight_cache,
+        )
+    if name == "torch" and recipe is not None:
+        from megafp8.fp8.torch_backend import TorchBackend
+
+        return TorchBackend(recipe, amax_group=amax_group, gemm=f.fp8_gemm)
+    return Backend()

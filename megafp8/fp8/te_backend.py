@@ -1,0 +1,249 @@
+"""The "te" backend: Transformer Engine modules and recipes (imported only when selected).
+
+This is the only module outside the tests that imports Transformer Engine. It provides the local
+GEMMs (``te.Linear``), norms fused into the next GEMM (``te.LayerNormLinear``), the norms, core
+attention (``te.DotProductAttention``) and optionally the whole MLP (``te.LayerNormMLP``), each
+holding this rank's shard; the TP collectives stay ours, around them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from megafp8.fp8.backend import Backend
+from megafp8.fp8.recipe import Fp8Recipe
+from megafp8.parallel import mappings as M
+from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, mark_tp, param_seed
+
+
+def te_available() -> bool:
+    """Transformer Engine imports, a GPU is present and it can run FP8."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch as te
+
+        ok = te.is_fp8_available()
+        return bool(ok[0] if isinstance(ok, tuple) else ok)
+    except Exception:  # a broken TE install: fall back to the torch backend
+        return False
+
+
+class WeightCache:
+    """Shared by a TE backend's modules: ``first`` is TE's ``is_first_microbatch`` (True: cast
+    the weights to FP8 and keep them; False: reuse the kept cast; None: no cache)."""
+
+    def __init__(self):
+        self.first: bool | None = None
+
+
+class TEBackend(Backend):
+    name = "te"
+
+    def __init__(
+        self,
+        recipe: Fp8Recipe | None,
+        *,
+        amax_group,
+        fused_norm: bool = True,
+        fused_mlp: bool = False,
+        weight_cache: bool = True,
+    ):
+        import transformer_engine.common.recipe as ter
+        import transformer_engine.pytorch as te
+
+        # TE recognizes the attention's interleaved q/k/v views by their pointers and warns that
+        # it prefers the packed tensor; that path selects the views inside TE, whose backward
+        # zero-fills and sums three full qkv gradients. Keep the views, drop the warning.
+        warnings.filterwarnings("ignore", "Relying on pointer-based detection", DeprecationWarning)
+        self.te = te
+        self.fp8 = recipe is not None
+        self.amax_group = amax_group
+        self.te_recipe = None
+        self.fuses_norm = fused_norm
+        self.fuses_mlp = fused_norm and fused_mlp
+        # FP8 weight cache over micro-batches: the weights change only at the optimizer step, so
+        # the first micro-batch of an iteration casts them (and their transposes) to FP8 and
+        # the others reuse the cast (TE's ``is_first_microbatch``); None (eval) casts every time.
+        self.cache = WeightCache()
+        self.weight_cache = weight_cache
+        if recipe is not None:
+            fmt = ter.Format.HYBRID if recipe.fp8_format == "hybrid" else ter.Format.E4M3
+            if recipe.recipe == "delayed":
+                self.te_recipe = ter.DelayedScaling(
+                    fp8_format=fmt,
+                    margin=recipe.margin,
+                    amax_history_len=recipe.amax_history_len,
+                    amax_compute_algo=recipe.amax_compute_algo,
+                )
+            elif recipe.recipe == "tensorwise":
+                self.te_recipe = ter.Float8CurrentScaling(fp8_format=fmt)
+            else:
+                self.te_recipe = ter.MXFP8BlockScaling(fp8_format=fmt)
+
+    def _linear(self, in_features, out_features, bias, fp8, dtype, device, norm=None):
+        return TELinear(
+            self.te,
+            in_features,
+            out_features,
+            bias,
+            fp8=fp8 and self.fp8,
+            dtype=dtype,
+            device=device,
+            norm=norm,
+            cache=self.cache,
+        )
+
+    def make_linear(
+        self, in_features, out_features, bias, *, name, group, fp8=True, dtype, device=None
+    ):
+        M.world(group)
+        return self._linear(in_features, out_features, bias, fp8, dtype, device)
+
+    def make_norm_linear(
+        self, in_features, out_features, bias, *, normalization, eps, fp8=True, dtype, device
+    ):
+        norm = (normalization, eps)
+        return self._linear(in_features, out_features, bias, fp8, dtype, device, norm)
+
+    def make_fused_mlp(self, cfg, *, groups, layer, seed, fp8, dtype, device):
+        return TEFusedMLP(
+            cfg, backend=self, groups=groups, layer=layer, seed=seed, fp8=fp8, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+
+    def make_norm(self, normalization, hidden, eps, *, dtype, device):
+        cls = self.te.LayerNorm if normalization == "LayerNorm" else self.te.RMSNorm
+        return cls(hidden, eps=eps, params_dtype=dtype, device=device or "cuda")
+
+    def make_core_attention(self, heads, head_dim, kv_heads, *, dropout, rng=None):
+        # [s, b, np, hd] in, [s, b, np*hd] out; TE copies a layout it cannot read
+        return self.te.DotProductAttention(
+            heads,
+            head_dim,
+            num_gqa_groups=kv_heads,
+            attention_dropout=dropout,
+            attn_mask_type="causal",
+            qkv_format="sbhd",
+        )
+
+    def microbatch(self, index: int | None) -> None:
+        self.cache.first = None if index is None or not self.weight_cache else index == 0
+
+    def autocast(self):
+        if not self.fp8:
+            return contextlib.nullcontext()
+        return self.te.autocast(
+            enabled=True, recipe=self.te_recipe, amax_reduction_group=self.amax_group
+        )
+
+
+class TELinear(nn.Module):
+    """A te.Linear (or, with ``norm``, a te.LayerNormLinear: the norm and the FP8 cast of its output
+    in one kernel) whose ``weight``/``bias`` are the local shard; outside FP8 for BF16 layers."""
+
+    plain = False
+
+    def __init__(
+        self, te, in_features, out_features, bias, *, fp8, dtype, device, norm=None, cache=None
+    ):
+        super().__init__()
+        self.fp8, self.te, self.cache = fp8, te, cache or WeightCache()
+        kw = dict(
+            bias=bias, params_dtype=dtype, device=device or "cuda", init_method=lambda w: None
+        )
+        if norm is None:
+            self.inner = te.Linear(in_features, out_features, **kw)
+        else:
+            self.inner = te.LayerNormLinear(
+                in_features, out_features, eps=norm[1], normalization=norm[0], **kw
+            )
+        self.weight = self.inner.weight
+        self.bias = self.inner.bias if bias else None
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """The fused norm's weights (empty for a plain linear)."""
+        names = ("layer_norm_weight", "layer_norm_bias")
+        return [p for n in names if isinstance(p := getattr(self.inner, n, None), nn.Parameter)]
+
+    def forward(self, x):  # [..., in] -> [..., out]
+        if self.fp8:
+            return self.inner(x, is_first_microbatch=self.cache.first)
+        with self.te.autocast(enabled=False):
+            return self.inner(x)
+
+
+class TEFusedMLP(nn.Module):
+    """SP off: norm + fc1 + activation + fc2 in one te.LayerNormMLP (the activation's output is
+    cast to FP8 inside its kernel). Holds the same shards as ``model.mlp.MLP`` (fc1 rows, fc2
+    columns of this rank), initialized from the same seeds; fc2's bias is added after the TP
+    reduction. Forward: copy into the TP region, fused MLP, all-reduce, + bias."""
+
+    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device):
+        super().__init__()
+        m, tg = cfg.model, groups.tp_group
+        tp, r = M.world(tg), M.rank_in(tg)
+        n = m.ffn // tp
+        self.tp_group, self.fp8, self.te = tg, fp8 and backend.fp8, backend.te
+        self.cache = backend.cache
+        self.inner = backend.te.LayerNormMLP(
+            m.hidden_size,
+            n,
+            eps=m.norm_epsilon,
+            bias=m.add_bias_linear,
+            normalization=m.normalization,
+            activation="swiglu" if m.swiglu else "gelu",
+            return_bias=True,
+            params_dtype=dtype,
+            device=device or "cuda",
+            init_method=lambda w: None,
+            output_layer_init_method=lambda w: None,
+        )
+        name = f"layers.{layer}.mlp"
+        rows = torch.arange(r * n, (r + 1) * n)
+        if m.swiglu:  # [gate; up]: this rank's chunk of both
+            rows = torch.cat([rows, m.ffn + rows])
+        cols = torch.arange(r * n, (r + 1) * n)
+        inn, dev = self.inner, self.inner.fc1_weight.device
+        out1 = 2 * m.ffn if m.swiglu else m.ffn
+        std2 = m.init_method_std / (2.0 * m.num_layers) ** 0.5
+        with torch.no_grad():
+            w1 = full_normal(
+                (out1, m.hidden_size),
+                m.init_method_std,
+                param_seed(seed, f"{name}.fc1"),
+                dev,
+                dtype,
+            )  # [ffn (x2), h]
+            inn.fc1_weight.copy_(w1[rows.to(dev)])
+            w2 = full_normal(
+                (m.hidden_size, m.ffn), std2, param_seed(seed, f"{name}.fc2"), dev, dtype
+            )  # [h, ffn]
+            inn.fc2_weight.copy_(w2[:, cols.to(dev)])
+            for b in (getattr(inn, "fc1_bias", None), getattr(inn, "fc2_bias", None)):
+                if isinstance(b, nn.Parameter):
+                    b.zero_()
+        mark_tp(inn.fc1_weight, 0, f"{name}.fc1.linear.weight", rows)
+        mark_tp(inn.fc2_weight, 1, f"{name}.fc2.linear.weight", cols)
+        if isinstance(getattr(inn, "fc1_bias", None), nn.Parameter):
+            mark_tp(inn.fc1_bias, 0, f"{name}.fc1.linear.bias", rows)
+        if isinstance(getattr(inn, "fc2_bias", None), nn.Parameter):
+            mark_full(inn.fc2_bias, f"{name}.fc2.bias")
+        for pname in ("layer_norm_weight", "layer_norm_bias"):
+            p = getattr(inn, pname, None)
+            if isinstance(p, nn.Parameter):  # sees only this rank's share of its output grad
+                allreduce_grad_hook(p, tg)
+
+    def forward(self, x):  # x: [s, b, h] -> [s, b, h]
+        x = M.copy_to_tensor_parallel_region(x, self.tp_group)
+        if self.fp8:
+            y, bias = self.inner(x, is_first_microbatch=self.cache.first)
+        else:
+            with self.te.autocast(enabled=False):
+                y, bias = self.inner(x)
+        y = M.reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y if bias is None or bias.numel() == 0 else y + bias
