@@ -26,8 +26,10 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PYTHON) -m pytest -q -m gpu tests/gpu
 
+# Lint and formatting over every Python file; CI runs this before the tests.
 lint: $(STAMP)
-	$(PYTHON) -m ruff check megafp8 data_tools bench tests pretrain_gpt.py
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 bench: $(STAMP)
 	$(PYTHON) bench/gpu_step.py

@@ -55,7 +55,7 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
     datasets = [IndexedDataset(p) for p in prefixes]
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:
-        detail = ", ".join(f"{p}: {ds.dtype}" for p, ds in zip(prefixes, datasets))
+        detail = ", ".join(f"{p}: {ds.dtype}" for p, ds in zip(prefixes, datasets, strict=True))
         raise ValueError(f"inputs have different token dtypes ({detail})")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with IndexedDatasetWriter(output_prefix, datasets[0].dtype) as w:

@@ -20,32 +20,17 @@ from dataclasses import fields
 
 import yaml
 
-from megafp8.config import Config
+from megafp8.config import Config, all_fields
 
 ALIASES = {"disable_bias_linear": ("model", "add_bias_linear", False)}
-CHOICES = {
-    "fp8_format": ("e4m3", "hybrid"),
-    "fp8_recipe": ("delayed", "tensorwise", "mxfp8"),
-    "fp8_backend": ("auto", "te", "torch", "none"),
-    "fp8_gemm": ("auto", "scaled_mm", "emulated"),
-    "fp8_amax_compute_algo": ("max", "most_recent"),
-    "position_embedding_type": ("learned_absolute", "rope"),
-    "normalization": ("LayerNorm", "RMSNorm"),
-    "lr_decay_style": ("constant", "linear", "cosine", "WSD"),
-    "zero_stage": (0, 1, 2, 3),
-}
 
 
 def _field_table() -> dict[str, tuple[str, dataclasses.Field, type]]:
     """field name -> (section, field, python type)."""
-    table = {}
-    for sec in fields(Config):
-        hints = typing.get_type_hints(sec.default_factory)
-        for f in fields(sec.default_factory):
-            if f.name in table:
-                raise RuntimeError(f"config field {f.name} appears in two sections")
-            table[f.name] = (sec.name, f, hints[f.name])
-    return table
+    hints = {
+        sec.name: typing.get_type_hints(sec.default_factory) for sec in dataclasses.fields(Config)
+    }
+    return {name: (sec, f, hints[sec][name]) for name, (sec, f) in all_fields().items()}
 
 
 def _base_type(tp):
@@ -63,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML run file (sections or flat keys)")
     for name, (sec, f, tp) in _field_table().items():
         flag = "--" + name.replace("_", "-")
-        base = _base_type(tp)
+        base, desc = _base_type(tp), f.metadata["help"]
         if base is bool:
             if f.default:
                 p.add_argument(
@@ -72,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                     action="store_const",
                     const=False,
                     default=None,
-                    help=f"[{sec}] turn off {name}",
+                    help=f"[{sec}] turn off: {desc} (on by default)",
                 )
                 p.add_argument(  # accepted for scripts that name it (Megatron's flags)
                     flag,
@@ -80,22 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
                     action="store_const",
                     const=True,
                     default=None,
-                    help=f"[{sec}] on by default",
+                    help=f"[{sec}] {desc} (on by default)",
                 )
             else:
                 p.add_argument(
-                    flag, dest=name, action="store_const", const=True, default=None, help=f"[{sec}]"
+                    flag,
+                    dest=name,
+                    action="store_const",
+                    const=True,
+                    default=None,
+                    help=f"[{sec}] {desc}",
                 )
         elif base is tuple:
-            p.add_argument(flag, dest=name, nargs="+", default=None, help=f"[{sec}]")
+            p.add_argument(flag, dest=name, nargs="+", default=None, help=f"[{sec}] {desc}")
         else:
+            choices = f.metadata["choices"]
             p.add_argument(
                 flag,
                 dest=name,
                 type=base,
                 default=None,
-                choices=CHOICES.get(name),
-                help=f"[{sec}] default {f.default!r}",
+                choices=[c for c in choices if c is not None] if choices else None,
+                help=f"[{sec}] {desc} (default: {f.default!r})",
             )
     p.add_argument(
         "--disable-bias-linear",

@@ -1,7 +1,12 @@
-"""Typed, frozen run configuration and its validation.
+"""Typed, frozen run configuration: one dataclass per section, one line of description per field.
 
-Nothing here touches ``torch.distributed``: ``validate(cfg, world_size)`` runs before any process
-group or model exists and raises ``ValueError`` naming the offending fields and values.
+Each field is declared with ``_f(default, help, choices)``: the description is what
+``pretrain_gpt.py --help`` prints beside the flag and its default, and ``choices`` (where given)
+is the one list of allowed values that the CLI and ``megafp8.validate`` both use. Nothing here
+touches ``torch.distributed``; ``megafp8.validate.validate(cfg, world_size)`` checks a whole config
+before any process group or model exists. The grammar of the compound values (``data_path``,
+``split``) and the derived sizes (global batch, padded vocab, data-parallel size) live here too,
+written once for validation and for the code that uses them.
 """
 
 from __future__ import annotations
@@ -9,39 +14,50 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
-FP8_BACKENDS = ("auto", "te", "torch", "none")
-FP8_GEMMS = ("auto", "scaled_mm", "emulated")
-AMAX_ALGOS = ("max", "most_recent")
-POSITION_TYPES = ("learned_absolute", "rope")
-NORMS = ("LayerNorm", "RMSNorm")
-LR_STYLES = ("constant", "linear", "cosine", "WSD")
-WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+def _f(default, help: str, choices: tuple | None = None):
+    """A config field with its one-line description (and allowed values)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None  # None: multi-head attention (as many kv heads as heads)
-    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
-    seq_length: int = 128
-    max_position_embeddings: int | None = None  # None: seq_length
-    position_embedding_type: str = "learned_absolute"
-    rotary_base: float = 10000.0
-    normalization: str = "LayerNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    vocab_size: int | None = None  # None: from the tokenizer (or the mock data's default)
-    make_vocab_size_divisible_by: int = 128
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    cross_entropy_loss_fusion: bool = True  # Triton kernels on CUDA; the torch loss elsewhere
+    num_layers: int = _f(2, "transformer layers")
+    hidden_size: int = _f(128, "width of the residual stream (h)")
+    num_attention_heads: int = _f(4, "query heads")
+    num_query_groups: int | None = _f(
+        None, "kv heads for grouped-query attention (None: one per query head)"
+    )
+    ffn_hidden_size: int | None = _f(None, "MLP inner width (None: 4 x hidden_size)")
+    seq_length: int = _f(128, "tokens per sample")
+    max_position_embeddings: int | None = _f(
+        None, "size of the learned position table (None: seq_length)"
+    )
+    position_embedding_type: str = _f(
+        "learned_absolute", "learned positions or rotary (RoPE)", ("learned_absolute", "rope")
+    )
+    rotary_base: float = _f(10000.0, "RoPE base (theta)")
+    normalization: str = _f(
+        "LayerNorm", "norm of each block and the final one", ("LayerNorm", "RMSNorm")
+    )
+    norm_epsilon: float = _f(1e-5, "epsilon of the norms")
+    swiglu: bool = _f(False, "SwiGLU MLP (gate and up projections) instead of GELU")
+    untie_embeddings_and_output_weights: bool = _f(
+        False, "a separate output layer instead of the embedding's transpose"
+    )
+    add_bias_linear: bool = _f(True, "biases in the linear layers (--disable-bias-linear: none)")
+    vocab_size: int | None = _f(
+        None, "vocabulary size (None: the tokenizer's, or the mock data's default)"
+    )
+    make_vocab_size_divisible_by: int = _f(
+        128, "pad the vocab to a multiple of this x tensor_model_parallel_size"
+    )
+    init_method_std: float = _f(0.02, "std of the normal initialization")
+    hidden_dropout: float = _f(0.0, "dropout on the residual stream")
+    attention_dropout: float = _f(0.0, "dropout on the attention probabilities")
+    cross_entropy_loss_fusion: bool = _f(
+        True, "the loss as fused Triton kernels on CUDA (the torch loss elsewhere)"
+    )
 
     @property
     def ffn(self) -> int:
@@ -62,29 +78,50 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    expert_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    distributed_backend: str | None = None  # None: nccl on GPU, gloo on CPU
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (tp)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages (pp; only 1 today)")
+    virtual_pipeline_model_parallel_size: int | None = _f(
+        None, "virtual stages per pipeline rank (interleaved schedule)"
+    )
+    expert_model_parallel_size: int = _f(1, "expert-parallel ranks (ep; only 1 today)")
+    sequence_parallel: bool = _f(
+        False, "shard norms, dropout and the residual stream along the sequence"
+    )
+    distributed_backend: str | None = _f(
+        None, "torch.distributed backend (None: nccl on GPU, gloo on CPU)", (None, "nccl", "gloo")
+    )
 
 
 @dataclass(frozen=True)
 class Fp8Config:
-    fp8_format: str | None = None  # None: no FP8 GEMMs
-    fp8_recipe: str = "delayed"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
-    fp8_backend: str = "auto"  # auto: te where TE and a GPU are present, else torch
-    fp8_gemm: str = "auto"  # torch backend: scaled_mm on GPU; emulated (q->dq->fp32 mm) on CPU
-    te_fused_norm: bool = True  # te backend: LayerNorm/RMSNorm fused into the next GEMM (no SP)
-    te_fused_mlp: bool = False  # te backend, fused norm: the whole MLP as one te.LayerNormMLP
-    te_weight_cache: bool = True  # te backend: weights cast to FP8 once per iteration
-    first_last_layers_bf16: bool = False
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
+    fp8_format: str | None = _f(
+        None,
+        "FP8 GEMMs: e4m3 everywhere, or hybrid (E5M2 gradients); None: off",
+        (None, "e4m3", "hybrid"),
+    )
+    fp8_recipe: str = _f(
+        "delayed", "scaling: amax history, the tensor's own amax, or MXFP8 blocks",
+        ("delayed", "tensorwise", "mxfp8"),
+    )  # fmt: skip
+    fp8_margin: int = _f(0, "scale down by 2^margin")
+    fp8_amax_history_len: int = _f(1024, "amaxes kept per tensor (delayed scaling)")
+    fp8_amax_compute_algo: str = _f(
+        "max", "amax from the history's max or its most recent entry", ("max", "most_recent")
+    )
+    fp8_backend: str = _f(
+        "auto", "te (Transformer Engine), torch (our recipe), none; auto: te with TE and a GPU",
+        ("auto", "te", "torch", "none"),
+    )  # fmt: skip
+    fp8_gemm: str = _f(
+        "auto", "torch backend: _scaled_mm, or the exact CPU emulation; auto: by device",
+        ("auto", "scaled_mm", "emulated"),
+    )  # fmt: skip
+    te_fused_norm: bool = _f(True, "te backend: norms fused into the next GEMM (not under SP)")
+    te_fused_mlp: bool = _f(False, "te backend, fused norm: each MLP as one te.LayerNormMLP")
+    te_weight_cache: bool = _f(True, "te backend: weights cast to FP8 once per iteration")
+    first_last_layers_bf16: bool = _f(False, "keep the first and last blocks out of FP8")
+    num_layers_at_start_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the start")
+    num_layers_at_end_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the end")
 
     @property
     def enabled(self) -> bool:
@@ -93,56 +130,73 @@ class Fp8Config:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None  # None: train_iters
-    lr_decay_style: str = "cosine"
-    lr_wsd_decay_iters: int | None = None
-    lr_wsd_decay_style: str = "linear"
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    zero_stage: int = 1
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+    lr_warmup_iters: int = _f(0, "linear warmup iterations")
+    lr_decay_iters: int | None = _f(None, "iterations of warmup + decay (None: train_iters)")
+    lr_decay_style: str = _f(
+        "cosine", "decay after warmup", ("constant", "linear", "cosine", "WSD")
+    )
+    lr_wsd_decay_iters: int | None = _f(None, "WSD: iterations of the final anneal")
+    lr_wsd_decay_style: str = _f(
+        "linear",
+        "WSD: shape of the final anneal",
+        ("linear", "cosine", "exponential", "minus_sqrt"),
+    )
+    weight_decay: float = _f(0.01, "AdamW weight decay (not on biases and norms)")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: tuple[str, ...] = ()  # ("A",) or Megatron's ("0.7", "A", "0.3", "B")
-    split: str = "969,30,1"
-    mock_data: bool = False
-    tokenizer_type: str | None = (
-        None  # None: SentencePieceTokenizer with a model, else NullTokenizer
+    data_path: tuple[str, ...] = _f(
+        (), "dataset prefix(es): 'A', or a blend 'w1 A w2 B' (Megatron's)"
     )
-    tokenizer_model: str | None = None
-    data_cache_path: str | None = None
-    num_workers: int = 0
+    split: str = _f("969,30,1", "train,valid,test proportions of each dataset")
+    mock_data: bool = _f(False, "synthetic documents instead of data_path")
+    tokenizer_type: str | None = _f(
+        None, "Megatron's tokenizer type (None: SentencePieceTokenizer with a model, else Null)"
+    )
+    tokenizer_model: str | None = _f(None, "the tokenizer's model file (or HF directory)")
+    tokenizer_sentencepiece_legacy: bool = _f(
+        False, "legacy SentencePiece: appended specials, <EOD> as EOD"
+    )
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 vocab.json")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 merges.txt")
+    data_cache_path: str | None = _f(
+        None, "where sample indices are cached (None: beside the data)"
+    )
+    num_workers: int = _f(0, "data-loader worker processes")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = 2
-    global_batch_size: int | None = None  # None: micro_batch_size * dp
-    train_iters: int = 10
-    seed: int = 1234
-    bf16: bool = False
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    eval_interval: int | None = None
-    eval_iters: int = 10
-    exit_on_nan: bool = True
-    deterministic: bool = False
+    micro_batch_size: int = _f(2, "samples per micro-batch per data-parallel rank")
+    global_batch_size: int | None = _f(
+        None, "samples per optimizer step (None: micro_batch_size x dp)"
+    )
+    train_iters: int = _f(10, "optimizer steps to train")
+    seed: int = _f(1234, "seed of weights, data order and dropout")
+    bf16: bool = _f(False, "bf16 parameters and activations (fp32 otherwise)")
+    save: str | None = _f(None, "checkpoint directory")
+    load: str | None = _f(None, "resume from this checkpoint directory's latest")
+    save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
+    eval_interval: int | None = _f(None, "evaluate every this many iterations")
+    eval_iters: int = _f(10, "validation batches per evaluation")
+    exit_on_nan: bool = _f(True, "stop when the loss is NaN or inf")
+    deterministic: bool = _f(False, "deterministic kernels only (torch and TE)")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = 1
-    tensorboard_dir: str | None = None
-    log_memory: bool = True
-    log_throughput: bool = True
+    log_interval: int = _f(1, "print the console line every this many iterations")
+    tensorboard_dir: str | None = _f(None, "TensorBoard event directory")
+    log_memory: bool = _f(True, "peak memory in the console line and TensorBoard")
+    log_throughput: bool = _f(True, "tokens/s, TFLOP/s and MFU in the console line and TensorBoard")
 
 
 @dataclass(frozen=True)
@@ -193,181 +247,56 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
     return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
-def _choice(errors: list[str], name: str, value, allowed) -> None:
-    if value not in allowed:
-        errors.append(f"{name}={value!r} must be one of {list(allowed)}")
+def global_batch_size(cfg: Config, dp: int) -> int:
+    """Samples per optimizer step: ``global_batch_size``, or one micro-batch per DP rank."""
+    t = cfg.train
+    return t.global_batch_size or t.micro_batch_size * dp
 
 
-def _positive(errors: list[str], **values) -> None:
-    for name, v in values.items():
-        if v is not None and v < 1:
-            errors.append(f"{name}={v} must be >= 1")
+def parse_data_path(data_path) -> list[tuple[float, str]]:
+    """``("A",)`` -> ``[(1.0, "A")]``; ``("0.7", "A", "0.3", "B")`` -> normalized weight pairs."""
+    items = list(data_path)
+    if not items:
+        raise ValueError("data_path is empty")
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    if len(items) % 2:
+        raise ValueError(f"data_path {items}: a blend is 'weight prefix' pairs")
+    pairs = []
+    for w, prefix in zip(items[0::2], items[1::2], strict=True):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"data_path weight {w!r} (of {prefix!r}) is not a number") from None
+        if not weight >= 0:  # negative or nan
+            raise ValueError(f"data_path weight {w!r} of {prefix!r} is negative")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ValueError(f"data_path {items}: the weights sum to zero")
+    return [(w / total, p) for w, p in pairs]
 
 
-def validate(cfg: Config, world_size: int) -> int:
-    """Check the whole config against ``world_size``; return the data-parallel size.
-
-    Raises ValueError listing every problem found, each naming the fields and their values.
-    """
-    m, p, f, o, d, t = cfg.model, cfg.parallel, cfg.fp8, cfg.optim, cfg.data, cfg.train
-    e: list[str] = []
-    tp, pp, ep = (
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        p.expert_model_parallel_size,
-    )
-    _positive(
-        e,
-        world_size=world_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        seq_length=m.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        train_iters=t.train_iters,
-        log_interval=cfg.logging.log_interval,
-        save_interval=t.save_interval,
-        eval_interval=t.eval_interval,
-        fp8_amax_history_len=f.fp8_amax_history_len,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-    )
-    if e:
-        raise ValueError("invalid config: " + "; ".join(e))
-    _choice(e, "position_embedding_type", m.position_embedding_type, POSITION_TYPES)
-    _choice(e, "normalization", m.normalization, NORMS)
-    _choice(e, "fp8_recipe", f.fp8_recipe, FP8_RECIPES)
-    _choice(e, "fp8_backend", f.fp8_backend, FP8_BACKENDS)
-    _choice(e, "fp8_gemm", f.fp8_gemm, FP8_GEMMS)
-    _choice(e, "fp8_amax_compute_algo", f.fp8_amax_compute_algo, AMAX_ALGOS)
-    _choice(e, "lr_decay_style", o.lr_decay_style, LR_STYLES)
-    _choice(e, "lr_wsd_decay_style", o.lr_wsd_decay_style, WSD_STYLES)
-    _choice(e, "zero_stage", o.zero_stage, (0, 1, 2, 3))
-    if f.fp8_format is not None:
-        _choice(e, "fp8_format", f.fp8_format, FP8_FORMATS)
-    if f.fp8_margin < 0:
-        e.append(f"fp8_margin={f.fp8_margin} must be >= 0")
-
-    # Parallel layout.
-    if world_size % (tp * pp):
-        e.append(
-            f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} "
-            f"x pipeline_model_parallel_size={pp}"
-        )
-    dp = max(1, world_size // (tp * pp))
-    if dp % ep:
-        e.append(
-            f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
-            f"(world_size={world_size} / (tp={tp} x pp={pp}))"
-        )
-    if p.sequence_parallel and tp == 1:
-        e.append("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1)")
-    if ep > 1:
-        e.append(f"expert_model_parallel_size={ep}: expert parallelism (MoE) is not available yet")
-
-    # Model shape vs tensor/pipeline parallelism.
-    h, heads, kv = m.hidden_size, m.num_attention_heads, m.kv_heads
-    if h % heads:
-        e.append(f"hidden_size={h} is not divisible by num_attention_heads={heads}")
-    if heads % kv:
-        e.append(f"num_attention_heads={heads} is not divisible by num_query_groups={kv}")
-    if heads % tp:
-        e.append(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}")
-    if kv % tp and tp % kv:
-        e.append(
-            f"num_query_groups={kv} and tensor_model_parallel_size={tp}: one must divide "
-            "the other (kv heads are split, or replicated when tp exceeds them)"
-        )
-    if m.ffn % tp:
-        e.append(f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp}")
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
-        e.append(f"rope needs an even head dim; hidden_size/num_attention_heads = {m.head_dim}")
-    if p.sequence_parallel and m.seq_length % tp:
-        e.append(
-            f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
-            "(sequence parallelism splits the sequence)"
-        )
-    if m.seq_length > m.max_positions:
-        e.append(f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_positions}")
-    vpp = p.virtual_pipeline_model_parallel_size or 1
-    if m.num_layers % (pp * vpp):
-        e.append(
-            f"num_layers={m.num_layers} is not divisible by pipeline_model_parallel_size={pp} "
-            f"x virtual_pipeline_model_parallel_size={vpp}"
-        )
-    if pp > 1:
-        e.append(f"pipeline_model_parallel_size={pp}: pipeline parallelism is not available yet")
-    if m.vocab_size is not None and m.vocab_size < 1:
-        e.append(f"vocab_size={m.vocab_size} must be >= 1")
-    for name in ("hidden_dropout", "attention_dropout"):
-        v = getattr(m, name)
-        if not 0.0 <= v < 1.0:
-            e.append(f"{name}={v} must be in [0, 1)")
-
-    # FP8: the GEMM dims must be multiples of 16 (TE and cuBLASLt FP8 kernels).
-    if f.enabled:
-        local = {
-            "hidden_size": h,
-            "ffn_hidden_size/tp": m.ffn // tp,
-            "qkv width/tp": (heads + 2 * kv) * m.head_dim // tp,
-        }
-        bad = {k: v for k, v in local.items() if v % 16}
-        if bad:
-            e.append(f"FP8 GEMM dims must be divisible by 16: {bad}")
-        tokens = t.micro_batch_size * m.seq_length // (tp if p.sequence_parallel else 1)
-        if tokens % 16:
-            e.append(
-                f"FP8 needs micro_batch_size x seq_length (/tp under SP) divisible by 16, "
-                f"got micro_batch_size={t.micro_batch_size} x seq_length={m.seq_length}"
-            )
-        if f.fp8_recipe == "mxfp8" and f.fp8_backend not in ("te", "auto"):
-            e.append("fp8_recipe='mxfp8' needs fp8_backend='te' (Blackwell block scaling)")
-        if f.first_last_layers_bf16 and (
-            f.num_layers_at_start_in_bf16 < 0 or f.num_layers_at_end_in_bf16 < 0
-        ):
-            e.append("num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 must be >= 0")
-
-    # Batch arithmetic.
-    gbs = t.global_batch_size or t.micro_batch_size * dp
-    if gbs % (t.micro_batch_size * dp):
-        e.append(
-            f"global_batch_size={gbs} is not divisible by micro_batch_size={t.micro_batch_size} "
-            f"x data-parallel size {dp}"
-        )
-
-    # Optimizer and schedule.
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        e.append(f"need 0 <= min_lr <= lr, got lr={o.lr}, min_lr={o.min_lr}")
-    if o.lr_warmup_iters < 0:
-        e.append(f"lr_warmup_iters={o.lr_warmup_iters} must be >= 0")
-    if o.clip_grad < 0:
-        e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
-
-    # Data.
-    if not d.mock_data and not d.data_path:
-        e.append("no data: give data_path (--data-path) or mock_data (--mock-data)")
-    if d.data_path and len(d.data_path) > 1:
-        if len(d.data_path) % 2:
-            e.append(f"data_path {list(d.data_path)}: a blend is 'weight prefix' pairs")
-        else:
-            for w in d.data_path[0::2]:
-                try:
-                    if float(w) < 0:
-                        raise ValueError
-                except ValueError:
-                    e.append(f"data_path weight {w!r} is not a non-negative number")
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` -> three fractions summing to 1 (missing parts are 0)."""
     try:
-        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
-        if not parts or any(x < 0 for x in parts) or sum(parts) <= 0:
-            raise ValueError
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
-        e.append(f"split={d.split!r} must be comma-separated non-negative numbers, e.g. '969,30,1'")
-    if t.save_interval and not t.save:
-        e.append(f"save_interval={t.save_interval} needs save (--save DIR)")
-    if e:
-        raise ValueError("invalid config: " + "; ".join(e))
-    return dp
+        raise ValueError(
+            f"split={split!r} must be comma-separated numbers like '969,30,1'"
+        ) from None
+    if len(parts) > 3 or not all(p >= 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split={split!r}: up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """field name -> (section, field), over every section (names are unique across sections)."""
+    table = {}
+    for sec in fields(Config):
+        for f in fields(sec.default_factory):
+            if f.name in table:
+                raise RuntimeError(f"config field {f.name} appears in two sections")
+            table[f.name] = (sec.name, f)
+    return table

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from megafp8 import checkpoint, metrics
 from megafp8.cli import dump_yaml, parse_args
-from megafp8.config import Config, data_parallel_size, validate
+from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import build_backend
 from megafp8.model.gpt import GPTModel
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
+from megafp8.validate import validate
 from megafp8.parallel.random import model_parallel_seed
 
 log = logging.getLogger("megafp8")
@@ -63,6 +64,10 @@ def check_inputs(cfg: Config) -> None:
 def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
     """torch.distributed from torchrun/SLURM variables (or one process), then groups."""
     cuda = torch.cuda.is_available()
+    if cfg.train.deterministic:  # before the first cuBLAS handle or TE kernel is made
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        torch.use_deterministic_algorithms(True)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
         os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
@@ -224,7 +229,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     rank0 = run.groups.rank == 0
     if t.load:
         resume(run)
-    gbs = t.global_batch_size or t.micro_batch_size * run.groups.dp
+    gbs = global_batch_size(cfg, run.groups.dp)
     if rank0:
         for d in (t.save, lg.tensorboard_dir):
             if d:
@@ -253,15 +258,12 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
             dt = timer.elapsed() / lg.log_interval
             tflops = flops / dt / world / 1e12
-            rec.update(
-                {
-                    "elapsed time per iteration (ms)": dt * 1e3,
-                    "tokens per second": gbs * cfg.model.seq_length / dt,
-                    "throughput per GPU (TFLOP/s/GPU)": tflops,
-                    "MFU (%)": 100.0 * tflops / peak if peak else None,
-                    "peak memory (GB)": metrics.peak_memory_gb() if lg.log_memory else None,
-                }
-            )
+            rec["elapsed time per iteration (ms)"] = dt * 1e3
+            if lg.log_throughput:
+                rec["tokens per second"] = gbs * cfg.model.seq_length / dt
+                rec["throughput per GPU (TFLOP/s/GPU)"] = tflops
+                rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
+            rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
             _log_line(run, rec, gbs, tb, rank0)
             timer.start()
         history.append(rec)
@@ -304,9 +306,9 @@ def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:
                 "lm loss": rec["lm loss"],
                 "learning-rate": rec["learning rate"],
                 "grad-norm": rec["grad norm"],
-                "tokens-per-second": rec["tokens per second"],
-                "tflops-per-gpu": rec["throughput per GPU (TFLOP/s/GPU)"],
-                "mfu": rec["MFU (%)"],
+                "tokens-per-second": rec.get("tokens per second"),
+                "tflops-per-gpu": rec.get("throughput per GPU (TFLOP/s/GPU)"),
+                "mfu": rec.get("MFU (%)"),
                 "peak-memory-gb": rec["peak memory (GB)"],
                 "consumed-samples": run.consumed,
             },

@@ -14,47 +14,10 @@ import json
 
 import numpy as np
 
+from megafp8.config import parse_data_path, parse_split  # noqa: F401  (the grammar lives there)
 from megafp8.data.gpt_dataset import cached_arrays
 
 _BLOCK = 1 << 22  # samples merged per block (bounded memory for huge blends)
-
-
-def parse_data_path(data_path) -> list[tuple[float, str]]:
-    """``("A",)`` -> ``[(1.0, "A")]``; ``("0.7", "A", "0.3", "B")`` -> normalized weight pairs."""
-    items = list(data_path)
-    if not items:
-        raise ValueError("data_path is empty")
-    if len(items) == 1:
-        return [(1.0, items[0])]
-    if len(items) % 2:
-        raise ValueError(f"data_path {items}: a blend is 'weight prefix' pairs")
-    pairs = []
-    for w, prefix in zip(items[0::2], items[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
-            raise ValueError(f"data_path weight {w!r} (of {prefix!r}) is not a number") from None
-        if weight < 0:
-            raise ValueError(f"data_path weight {w!r} of {prefix!r} is negative")
-        pairs.append((weight, prefix))
-    total = sum(w for w, _ in pairs)
-    if total <= 0:
-        raise ValueError(f"data_path {items}: the weights sum to zero")
-    return [(w / total, p) for w, p in pairs]
-
-
-def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> three fractions summing to 1 (missing parts are 0)."""
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        raise ValueError(
-            f"split={split!r} must be comma-separated numbers like '969,30,1'"
-        ) from None
-    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"split={split!r}: up to three non-negative numbers with a positive sum")
-    parts += [0.0] * (3 - len(parts))
-    return [p / sum(parts) for p in parts]
 
 
 def split_ranges(num: int, fractions: list[float]) -> list[tuple[int, int]]:
@@ -100,7 +63,7 @@ def blend_indices(counts, block: int = _BLOCK) -> tuple[np.ndarray, np.ndarray]:
         if b == nblocks - 1:
             upto = counts
         ks = [np.arange(done[d], upto[d], dtype=np.int64) for d in live]
-        ds = np.concatenate([np.full(len(k), d, d_type) for d, k in zip(live, ks)])
+        ds = np.concatenate([np.full(len(k), d, d_type) for d, k in zip(live, ks, strict=True)])
         ks_all = np.concatenate(ks)
         times = (ks_all + 0.5) / counts[ds.astype(np.int64)]
         order = np.lexsort((ds, times))
@@ -118,7 +81,7 @@ class BlendedDataset:
     def __init__(self, datasets: list, counts, cache_dir: str | None = None, name: str = "train"):
         self.datasets, self.name = datasets, name
         self.counts = np.asarray(counts, np.int64)
-        for d, (ds, c) in enumerate(zip(datasets, self.counts)):
+        for d, (ds, c) in enumerate(zip(datasets, self.counts, strict=True)):
             if c and (ds is None or len(ds) < c):
                 raise ValueError(
                     f"{name}: blend part {d} needs {c} samples, has {0 if ds is None else len(ds)}"

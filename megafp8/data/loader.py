@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megafp8.config import global_batch_size
 from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
 from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from megafp8.data.indexed import IndexedDataset
@@ -28,10 +29,6 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
 MOCK_NUM_SEQUENCES = 16384
-
-
-def global_batch_size(cfg, dp_size: int) -> int:
-    return cfg.train.global_batch_size or cfg.train.micro_batch_size * dp_size
 
 
 def split_sample_counts(cfg, dp_size: int) -> dict[str, int]:
@@ -81,7 +78,7 @@ def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None
         shares = apportion([parts[i][0] for i in usable], counts[name])
         datasets = [None] * len(parts)
         per_part = np.zeros(len(parts), np.int64)
-        for i, c in zip(usable, shares):
+        for i, c in zip(usable, shares, strict=True):
             if c:
                 w, low, cache = parts[i]
                 lo, hi = ranges[i]

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from megafp8.config import global_batch_size
+
 log = logging.getLogger(__name__)
 
 
@@ -30,7 +32,7 @@ def import_deepspeed():
 
 def deepspeed_config(cfg, dp: int) -> dict:
     t, o = cfg.train, cfg.optim
-    gbs = t.global_batch_size or t.micro_batch_size * dp
+    gbs = global_batch_size(cfg, dp)
     zero = {"stage": o.zero_stage}
     if o.zero_stage >= 2:
         zero.update(

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from megafp8.cli import dump_yaml, parse_args
-from megafp8.config import Config, validate
+from megafp8.config import Config, all_fields
+from megafp8.validate import validate
 from tests.helpers.tiny import tiny_config
 
 TP2, TP4 = dict(tensor_model_parallel_size=2), dict(tensor_model_parallel_size=4)
@@ -54,6 +55,10 @@ BAD = [
     ),
     (dict(data=dict(mock_data=False)), 1, "no data"),
     (dict(data=dict(split="a,b")), 1, "split='a,b'"),
+    (dict(data=dict(split="1,2,3,4")), 1, "split='1,2,3,4': up to three"),
+    (dict(data=dict(data_path=("0", "A", "0", "B"))), 1, "the weights sum to zero"),
+    (dict(data=dict(data_path=("0.5", "A", "B"))), 1, "a blend is 'weight prefix' pairs"),
+    (dict(optim=dict(lr_wsd_decay_style="cubic")), 1, "lr_wsd_decay_style='cubic' must be one"),
     (dict(optim=dict(min_lr=1.0)), 1, "min_lr <= lr"),
     (dict(fp8=dict(fp8_recipe="bogus")), 1, "fp8_recipe='bogus' must be one of"),
     (
@@ -157,6 +162,9 @@ def test_dump_round_trip():
         (["--data-path", "/nonexistent/prefix"], "/nonexistent/prefix.bin does not exist"),
         (["--mock-data", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--mock-data", "--fp8-format", "e5m2"], "invalid choice: 'e5m2'"),
+        (["--mock-data", "--split", "1,2,3,4"], "split='1,2,3,4': up to three"),
+        (["--data-path", "0", "A", "0", "B"], "the weights sum to zero"),
+        (["--mock-data", "--lr-wsd-decay-style", "cubic"], "invalid choice: 'cubic'"),
     ],
 )
 def test_entry_point_rejects_bad_input_with_exit_2(argv, msg):
@@ -166,6 +174,32 @@ def test_entry_point_rejects_bad_input_with_exit_2(argv, msg):
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr
     assert p.stdout == ""  # nothing started
+    assert len(p.stderr.strip().splitlines()[-1]) > 0 and "Traceback" not in p.stderr
+
+
+def test_every_field_is_described_in_help_with_its_default():
+    out = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
+    text = " ".join(out.split())  # argparse wraps lines
+    for name, (_, f) in all_fields().items():
+        desc = " ".join(f.metadata["help"].split())
+        assert desc, name
+        assert "--" + name.replace("_", "-") in text, name
+        assert desc in text, (name, desc)
+        if f.default not in (None, False, True, ()):
+            assert f"{desc} (default: {f.default!r})" in text, name
+
+
+def test_cli_choices_are_the_config_choices():
+    """One list per field: the CLI's choices and validate()'s come from the field itself."""
+    from megafp8.cli import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    with_choices = {n: f for n, (_, f) in all_fields().items() if f.metadata["choices"]}
+    assert "lr_wsd_decay_style" in with_choices and "zero_stage" in with_choices
+    for name, f in with_choices.items():
+        assert list(actions[name].choices) == [c for c in f.metadata["choices"] if c is not None]
 
 
 def test_default_true_switches_take_both_forms():

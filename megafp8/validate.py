@@ -1,0 +1,209 @@
+"""``validate(cfg, world_size)``: every rule a run must meet, checked before anything starts.
+
+Runs before any process group, model or DeepSpeed engine exists and raises one ``ValueError``
+listing every problem, each naming the fields and their values. The rules are grouped by concern
+(values, layout, model vs tensor parallelism, FP8, batch, optimizer, data); each is written once,
+and where the code that uses a value parses it (``parse_split``, ``parse_data_path``,
+``global_batch_size``) the rule calls that same function.
+"""
+
+from __future__ import annotations
+
+from megafp8.config import (
+    Config,
+    all_fields,
+    data_parallel_size,
+    global_batch_size,
+    parse_data_path,
+    parse_split,
+)
+
+FP8_GEMM_MULTIPLE = 16  # TE and cuBLASLt FP8 kernels need GEMM dims divisible by 16
+
+
+def _values(cfg: Config, world_size: int, e: list[str]) -> None:
+    """Counts are >= 1; every field with a list of choices holds one of them."""
+    m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
+    counts = dict(
+        world_size=world_size,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        seq_length=m.seq_length,
+        vocab_size=m.vocab_size,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters,
+        save_interval=t.save_interval,
+        eval_interval=t.eval_interval,
+        log_interval=cfg.logging.log_interval,
+        fp8_amax_history_len=f.fp8_amax_history_len,
+    )
+    for name, v in counts.items():
+        if v is not None and v < 1:
+            e.append(f"{name}={v} must be >= 1")
+    for name, (section, fld) in all_fields().items():
+        choices = fld.metadata.get("choices")
+        value = getattr(getattr(cfg, section), name)
+        if choices is not None and value not in choices:
+            allowed = [c for c in choices if c is not None]
+            e.append(f"{name}={value!r} must be one of {allowed}")
+    if f.fp8_margin < 0:
+        e.append(f"fp8_margin={f.fp8_margin} must be >= 0")
+    for name in ("hidden_dropout", "attention_dropout"):
+        v = getattr(m, name)
+        if not 0.0 <= v < 1.0:
+            e.append(f"{name}={v} must be in [0, 1)")
+
+
+def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
+    """world = tp x pp x dp, ep inside dp; features not built yet are refused."""
+    p = cfg.parallel
+    tp, pp, ep = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.expert_model_parallel_size,
+    )
+    if world_size % (tp * pp):
+        e.append(
+            f"world_size={world_size} is not divisible by tensor_model_parallel_size={tp} "
+            f"x pipeline_model_parallel_size={pp}"
+        )
+    dp = max(1, data_parallel_size(cfg, world_size))
+    if dp % ep:
+        e.append(
+            f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
+            f"(world_size={world_size} / (tp={tp} x pp={pp}))"
+        )
+    if p.sequence_parallel and tp == 1:
+        e.append("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1)")
+    if ep > 1:
+        e.append(f"expert_model_parallel_size={ep}: expert parallelism (MoE) is not available yet")
+    if pp > 1:
+        e.append(f"pipeline_model_parallel_size={pp}: pipeline parallelism is not available yet")
+
+
+def _model(cfg: Config, e: list[str]) -> None:
+    """The shape splits over TP (heads, kv heads, ffn, sequence) and over pipeline stages."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    h, heads, kv = m.hidden_size, m.num_attention_heads, m.kv_heads
+    if h % heads:
+        e.append(f"hidden_size={h} is not divisible by num_attention_heads={heads}")
+    if heads % kv:
+        e.append(f"num_attention_heads={heads} is not divisible by num_query_groups={kv}")
+    if heads % tp:
+        e.append(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}")
+    if kv % tp and tp % kv:
+        e.append(
+            f"num_query_groups={kv} and tensor_model_parallel_size={tp}: one must divide "
+            "the other (kv heads are split, or replicated when tp exceeds them)"
+        )
+    if m.ffn % tp:
+        e.append(f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp}")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        e.append(f"rope needs an even head dim; hidden_size/num_attention_heads = {m.head_dim}")
+    if p.sequence_parallel and m.seq_length % tp:
+        e.append(
+            f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
+            "(sequence parallelism splits the sequence)"
+        )
+    if m.seq_length > m.max_positions:
+        e.append(f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_positions}")
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    if m.num_layers % (pp * vpp):
+        e.append(
+            f"num_layers={m.num_layers} is not divisible by pipeline_model_parallel_size={pp} "
+            f"x virtual_pipeline_model_parallel_size={vpp}"
+        )
+
+
+def _fp8(cfg: Config, e: list[str]) -> None:
+    """FP8 GEMM dims (local to each TP rank) and token counts are multiples of 16."""
+    m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
+    if not f.enabled:
+        return
+    tp = p.tensor_model_parallel_size
+    local = {
+        "hidden_size": m.hidden_size,
+        "ffn_hidden_size/tp": m.ffn // tp,
+        "qkv width/tp": (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim // tp,
+    }
+    bad = {k: v for k, v in local.items() if v % FP8_GEMM_MULTIPLE}
+    if bad:
+        e.append(f"FP8 GEMM dims must be divisible by {FP8_GEMM_MULTIPLE}: {bad}")
+    tokens = t.micro_batch_size * m.seq_length // (tp if p.sequence_parallel else 1)
+    if tokens % FP8_GEMM_MULTIPLE:
+        e.append(
+            f"FP8 needs micro_batch_size x seq_length (/tp under SP) divisible by "
+            f"{FP8_GEMM_MULTIPLE}, got micro_batch_size={t.micro_batch_size} x "
+            f"seq_length={m.seq_length}"
+        )
+    if f.fp8_recipe == "mxfp8" and f.fp8_backend not in ("te", "auto"):
+        e.append("fp8_recipe='mxfp8' needs fp8_backend='te' (Blackwell block scaling)")
+    if f.first_last_layers_bf16 and (
+        f.num_layers_at_start_in_bf16 < 0 or f.num_layers_at_end_in_bf16 < 0
+    ):
+        e.append("num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 must be >= 0")
+
+
+def _batch(cfg: Config, dp: int, e: list[str]) -> None:
+    """global batch = micro batch x dp x accumulation steps."""
+    t = cfg.train
+    gbs = global_batch_size(cfg, dp)
+    if gbs % (t.micro_batch_size * dp):
+        e.append(
+            f"global_batch_size={gbs} is not divisible by micro_batch_size={t.micro_batch_size} "
+            f"x data-parallel size {dp}"
+        )
+
+
+def _optim(cfg: Config, e: list[str]) -> None:
+    o = cfg.optim
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        e.append(f"need 0 <= min_lr <= lr, got lr={o.lr}, min_lr={o.min_lr}")
+    if o.lr_warmup_iters < 0:
+        e.append(f"lr_warmup_iters={o.lr_warmup_iters} must be >= 0")
+    if o.clip_grad < 0:
+        e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+
+
+def _data(cfg: Config, e: list[str]) -> None:
+    """A source of data; ``data_path`` and ``split`` parse as the loader will parse them."""
+    d, t = cfg.data, cfg.train
+    if not d.mock_data and not d.data_path:
+        e.append("no data: give data_path (--data-path) or mock_data (--mock-data)")
+    for parse, value in ((parse_data_path, d.data_path), (parse_split, d.split)):
+        if value:
+            try:
+                parse(value)
+            except ValueError as exc:
+                e.append(str(exc))
+    if t.save_interval and not t.save:
+        e.append(f"save_interval={t.save_interval} needs save (--save DIR)")
+
+
+def validate(cfg: Config, world_size: int) -> int:
+    """Check the whole config against ``world_size``; return the data-parallel size.
+
+    Raises ValueError listing every problem found, each naming the fields and their values.
+    """
+    e: list[str] = []
+    _values(cfg, world_size, e)
+    if e:  # the rules below divide by these
+        raise ValueError("invalid config: " + "; ".join(e))
+    _layout(cfg, world_size, e)
+    dp = max(1, data_parallel_size(cfg, world_size))
+    _model(cfg, e)
+    _fp8(cfg, e)
+    _batch(cfg, dp, e)
+    _optim(cfg, e)
+    _data(cfg, e)
+    if e:
+        raise ValueError("invalid config: " + "; ".join(e))
+    return dp
