@@ -33,7 +33,7 @@ def fp8_gemm(a_q, a_sinv, b_q, b_sinv, out_dtype, gemm: str) -> torch.Tensor:
         return (acc * (a_sinv.double() * b_sinv.double())).to(out_dtype)
     a_q = a_q if a_q.is_contiguous() else a_q.contiguous()  # row-major first operand
     if not b_q.t().is_contiguous():  # column-major second operand
-        b_q = b_q.t().contiguous().t()
+        b_q = b_q.t().contiguous().t()  # same [K, N], stored column-major
     return torch._scaled_mm(a_q, b_q, scale_a=a_sinv, scale_b=b_sinv, out_dtype=out_dtype)
 
 

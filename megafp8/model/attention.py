@@ -102,7 +102,7 @@ class SelfAttention(nn.Module):
                     for gg in range(self.kv)
                 ]
             )
-            q_rows = q_rows.view(tp, -1)[r]
+            q_rows = q_rows.view(tp, -1)[r]  # [tp, heads*hd/tp] -> this rank's rows
             kv_rows = torch.arange(base + hpg * self.hd, base + (hpg + 2) * self.hd)
             self.q = ColumnParallelLinear(
                 m.hidden_size,
@@ -135,14 +135,14 @@ class SelfAttention(nn.Module):
             qkv = self.qkv(x)  # [s, b, kvp * (hpg + 2) * hd]
             s, b = qkv.shape[:2]
             hpg = self.heads // self.kv
-            qkv = qkv.view(s, b, self.kvp, hpg + 2, self.hd)
+            qkv = qkv.view(s, b, self.kvp, hpg + 2, self.hd)  # per group: hpg q heads, k, v
             # Views, not copies: split's backward writes the three gradients into one qkv
             # gradient in a single pass (indexing would zero-fill and add three full tensors),
             # and TE's attention reads the interleaved views in place (the "sbh3d" layout).
             if hpg == 1:
                 q, k, v = qkv.unbind(3)  # each [s, b, np, hd]
             else:
-                q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
+                q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)  # [s, b, kvp, hpg|1|1, hd]
                 q = q.reshape(s, b, self.np, self.hd)  # a copy: heads of a group are not adjacent
                 k, v = k.squeeze(3), v.squeeze(3)  # [s, b, kvp, hd]
         else:

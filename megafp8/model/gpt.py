@@ -123,7 +123,7 @@ class GPTModel(nn.Module):
         x = self.embedding(tokens.t())  # [s, b, h]
         s = x.shape[0]
         if self.pos is not None:
-            x = x + self.pos[:s].unsqueeze(1)
+            x = x + self.pos[:s].unsqueeze(1)  # [s, 1, h] broadcast over b
         if self.sp:
             x = M.scatter_to_sequence_parallel_region(x, tg)  # [s/tp, b, h]
         p = self.cfg.model.hidden_dropout
@@ -146,6 +146,7 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         fused = self.cfg.model.cross_entropy_loss_fusion  # the logits serve only the loss
+        # labels [b, s] -> [s, b], as the logits; losses [s, b]
         losses = vocab_parallel_cross_entropy(logits, labels.t(), tg, fused, inplace=True)
-        mask = loss_mask.t().float() if loss_mask is not None else torch.ones_like(losses)
+        mask = loss_mask.t().float() if loss_mask is not None else torch.ones_like(losses)  # [s, b]
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)

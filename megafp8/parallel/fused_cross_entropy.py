@@ -91,7 +91,7 @@ class _FusedVocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, group, start, inplace):
         v = logits.shape[-1]
         z = logits.reshape(-1, v)  # a view for [s, b, v] contiguous logits
-        t = target.reshape(-1).contiguous()
+        t = target.reshape(-1).contiguous()  # [s*b]
         n = z.shape[0]
         m = torch.empty(n, device=z.device, dtype=torch.float32)
         d, zt = torch.empty_like(m), torch.empty_like(m)
@@ -110,13 +110,13 @@ class _FusedVocabParallelCE(torch.autograd.Function):
             lse = m + d.log()
         ctx.save_for_backward(z, t, lse)
         ctx.start, ctx.inplace, ctx.shape = start, inplace, logits.shape
-        return (lse - zt).reshape(target.shape)
+        return (lse - zt).reshape(target.shape)  # [s*b] -> [s, b]
 
     @staticmethod
     def backward(ctx, g):
         z, t, lse = ctx.saved_tensors
         out = z if ctx.inplace else torch.empty_like(z)
-        g = g.reshape(-1).float().contiguous()
+        g = g.reshape(-1).float().contiguous()  # [s*b]
         n, v = z.shape
         if n:
             _ce_backward_kernel[(n,)](
@@ -132,7 +132,7 @@ class _FusedVocabParallelCE(torch.autograd.Function):
                 BLOCK=_BLOCK,
                 num_warps=_WARPS,
             )
-        return out.reshape(ctx.shape), None, None, None, None
+        return out.reshape(ctx.shape), None, None, None, None  # [s*b, V/tp] -> [s, b, V/tp]
 
 
 def fused_vocab_parallel_cross_entropy(logits, target, group, start, inplace=False):

@@ -75,7 +75,7 @@ class _SeqGatherLinear(torch.autograd.Function):
         full = M._all_gather(x, ctx.group, 0)  # [s, b, in], gathered again
         dx = M._reduce_scatter(gy @ weight, ctx.group, 0)  # [s/tp, b, in]
         g2 = gy.reshape(-1, gy.shape[-1])  # [s*b, out/tp]
-        dw = g2.t() @ full.reshape(-1, full.shape[-1])
+        dw = g2.t() @ full.reshape(-1, full.shape[-1])  # [out/tp, s*b] @ [s*b, in]
         db = g2.sum(0) if ctx.has_bias else None
         return dx, dw, db, None
 
@@ -280,7 +280,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(tokens, self.weight)
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., h]
         return M.reduce_from_tensor_parallel_region(out, self.tp_group)
 
 
@@ -299,18 +299,18 @@ class _VocabParallelCE(torch.autograd.Function):
         z = z.clone() if z.data_ptr() == logits.data_ptr() else z
         m = z.amax(dim=-1)
         M.all_reduce(m, group, op=torch.distributed.ReduceOp.MAX)
-        z.sub_(m.unsqueeze(-1))
+        z.sub_(m.unsqueeze(-1))  # [s, b, V/tp] - [s, b, 1]
         v = z.shape[-1]
         outside = (target < start) | (target >= start + v)
         local_t = (target - start).masked_fill(outside, 0)
-        zt = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        zt = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)  # [s, b]
         e = z.exp_()
         s = e.sum(dim=-1)
         both = torch.stack([zt, s])
         M.all_reduce(both, group)
         zt, s = both[0], both[1]
         loss = s.log() - zt
-        e.div_(s.unsqueeze(-1))
+        e.div_(s.unsqueeze(-1))  # softmax [s, b, V/tp]
         ctx.save_for_backward(e, local_t, outside)
         ctx.dtype = logits.dtype
         return loss
@@ -320,8 +320,8 @@ class _VocabParallelCE(torch.autograd.Function):
         softmax, local_t, outside = ctx.saved_tensors
         grad = softmax
         onehot = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot.unsqueeze(-1))
-        grad.mul_(g.unsqueeze(-1))
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot.unsqueeze(-1))  # - onehot [s, b, 1]
+        grad.mul_(g.unsqueeze(-1))  # [s, b, V/tp] * [s, b, 1]
         return grad.to(ctx.dtype), None, None, None
 
 

@@ -67,6 +67,7 @@ def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by the group size {n}")
     # clone: a dim-0 chunk is already contiguous, and a view would keep the whole tensor alive
+    # this rank's 1/n of dim ``dim``
     return x.chunk(n, dim=dim)[rank_in(group)].clone(memory_format=torch.contiguous_format)
 
 
