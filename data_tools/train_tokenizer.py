@@ -8,8 +8,11 @@ Writes ``{prefix}.model``, ``{prefix}.vocab`` and ``{prefix}.json`` (a manifest:
 special ids, sentence counts, the model's sha256), each under a temporary name renamed when done.
 
 Special pieces: ``<unk>`` 0, ``<s>`` (BOS) 1, ``<EOD>`` (the eos piece) 2, ``<pad>`` 3 (unless
-``--no-pad``). Naming the eos piece ``<EOD>`` makes Megatron's SentencePieceTokenizer and its
-GPTSentencePieceTokenizer agree on the EOD id, with no token appended past the model's vocab.
+``--no-pad``), all control symbols: text never encodes to them. EOD is id 2 for every
+SentencePiece type, current or legacy: Megatron's current wrappers take the eos id, and its
+legacy ``SentencePieceTokenizer`` (``--tokenizer-sentencepiece-legacy``) finds ``<EOD>`` in the
+vocab instead of appending one (it still appends ``<CLS> <SEP> <MASK>``, so the legacy vocab is
+3 larger, and splits those names out of the text). The manifest lists both.
 
 Memory stays bounded on any input: documents are split into lines (long lines cut into chunks of
 ``--max-sentence-length`` characters) and a seeded reservoir sample of ``--max-sentences`` lines
@@ -35,25 +38,44 @@ TEXT_SUFFIXES = (".txt",)
 
 def get_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True,
-                   help="JSONL (.jsonl/.gz/.zst) or .txt files, globs or directories")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSONL (.jsonl/.gz/.zst) or .txt files, globs or directories",
+    )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys holding text")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model/.vocab/.json")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    p.add_argument("--byte-fallback", action="store_true",
-                   help="unknown characters become UTF-8 byte pieces instead of <unk>")
+    p.add_argument(
+        "--byte-fallback",
+        action="store_true",
+        help="unknown characters become UTF-8 byte pieces instead of <unk>",
+    )
     p.add_argument("--character-coverage", type=float, default=0.9995)
-    p.add_argument("--normalization", choices=("identity", "nmt_nfkc", "nfkc"),
-                   default="identity",
-                   help="identity keeps the text exactly as given (default)")
+    p.add_argument(
+        "--normalization",
+        choices=("identity", "nmt_nfkc", "nfkc"),
+        default="identity",
+        help="identity keeps the text exactly as given (default)",
+    )
     p.add_argument("--no-pad", action="store_true", help="no <pad> piece")
-    p.add_argument("--user-defined-symbols", nargs="*", default=[],
-                   help="extra pieces always kept whole")
-    p.add_argument("--max-sentences", type=int, default=2_000_000,
-                   help="lines sampled (reservoir) for training; bounds memory")
-    p.add_argument("--max-sentence-length", type=int, default=8192,
-                   help="longer lines are cut into chunks of this many characters")
+    p.add_argument(
+        "--user-defined-symbols", nargs="*", default=[], help="extra pieces always kept whole"
+    )
+    p.add_argument(
+        "--max-sentences",
+        type=int,
+        default=2_000_000,
+        help="lines sampled (reservoir) for training; bounds memory",
+    )
+    p.add_argument(
+        "--max-sentence-length",
+        type=int,
+        default=8192,
+        help="longer lines are cut into chunks of this many characters",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--skip-bad-lines", action="store_true")
@@ -83,7 +105,7 @@ def _chunks(lines, max_len: int):
     for line in lines:
         line = line.strip()
         for i in range(0, len(line), max_len):
-            yield line[i:i + max_len]
+            yield line[i : i + max_len]
 
 
 def reservoir(items, k: int, seed: int) -> tuple[list, int]:
@@ -108,26 +130,54 @@ def train(args, sentences: list[str]) -> None:
     tmp = f"{args.output_prefix}.tmp-{os.getpid()}"
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_prefix=tmp, vocab_size=args.vocab_size,
-            model_type=args.model_type, byte_fallback=args.byte_fallback,
+            sentence_iterator=iter(sentences),
+            model_prefix=tmp,
+            vocab_size=args.vocab_size,
+            model_type=args.model_type,
+            byte_fallback=args.byte_fallback,
             character_coverage=args.character_coverage,
-            normalization_rule_name=args.normalization, unk_id=0, bos_id=1, eos_id=2,
-            pad_id=-1 if args.no_pad else 3, unk_piece="<unk>", bos_piece="<s>",
-            eos_piece="<EOD>", pad_piece="<pad>",
+            normalization_rule_name=args.normalization,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1 if args.no_pad else 3,
+            unk_piece="<unk>",
+            bos_piece="<s>",
+            eos_piece="<EOD>",
+            pad_piece="<pad>",
             user_defined_symbols=args.user_defined_symbols or None,
             max_sentence_length=4 * args.max_sentence_length + 16,
-            input_sentence_size=0, shuffle_input_sentence=False, num_threads=args.num_threads,
-            split_digits=True, allow_whitespace_only_pieces=True,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=args.num_threads,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
             remove_extra_whitespaces=args.normalization != "identity",
-            minloglevel=0 if args.verbose else 2)
+            minloglevel=0 if args.verbose else 2,
+        )
     except RuntimeError as exc:
         for ext in (".model", ".vocab"):
             if os.path.exists(tmp + ext):
                 os.remove(tmp + ext)
-        raise ValueError(f"sentencepiece training failed: {exc} (a smaller --vocab-size or "
-                         "more text usually helps)") from exc
+        raise ValueError(
+            f"sentencepiece training failed: {exc} (a smaller --vocab-size or "
+            "more text usually helps)"
+        ) from exc
     os.replace(tmp + ".vocab", args.output_prefix + ".vocab")
     os.replace(tmp + ".model", args.output_prefix + ".model")
+
+
+def megatron_view(model: str) -> dict:
+    """Vocab size and EOD id of each Megatron SentencePiece type over ``model``."""
+    from megafp8.data.tokenizer import make_tokenizer
+
+    view = {}
+    for name in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        for legacy in (False, True):
+            tok = make_tokenizer(name, model, legacy=legacy)
+            key = name + (" --tokenizer-sentencepiece-legacy" if legacy else "")
+            view[key] = {"vocab_size": tok.vocab_size, "eod": tok.eod}
+    return view
 
 
 def write_manifest(args, files, seen: int, sampled: int, bad: list, seconds: float) -> dict:
@@ -138,14 +188,27 @@ def write_manifest(args, files, seen: int, sampled: int, bad: list, seconds: flo
     with open(model, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     manifest = {
-        "model": os.path.basename(model), "sha256": digest, "inputs": files,
-        "json_keys": args.json_keys, "vocab_size": sp.GetPieceSize(),
-        "model_type": args.model_type, "byte_fallback": args.byte_fallback,
-        "normalization": args.normalization, "character_coverage": args.character_coverage,
-        "special_ids": {"unk": sp.unk_id(), "bos": sp.bos_id(), "eod": sp.eos_id(),
-                        "pad": sp.pad_id()},
-        "lines_seen": seen, "lines_sampled": sampled, "bad_lines_skipped": len(bad),
-        "seed": args.seed, "seconds": round(seconds, 2),
+        "model": os.path.basename(model),
+        "sha256": digest,
+        "inputs": files,
+        "json_keys": args.json_keys,
+        "vocab_size": sp.GetPieceSize(),
+        "model_type": args.model_type,
+        "byte_fallback": args.byte_fallback,
+        "normalization": args.normalization,
+        "character_coverage": args.character_coverage,
+        "special_ids": {
+            "unk": sp.unk_id(),
+            "bos": sp.bos_id(),
+            "eod": sp.eos_id(),
+            "pad": sp.pad_id(),
+        },
+        "megatron": megatron_view(model),
+        "lines_seen": seen,
+        "lines_sampled": sampled,
+        "bad_lines_skipped": len(bad),
+        "seed": args.seed,
+        "seconds": round(seconds, 2),
         "sentencepiece_version": spm.__version__,
     }
     tmp = f"{args.output_prefix}.json.tmp-{os.getpid()}"
@@ -162,13 +225,17 @@ def main(argv=None) -> int:
     try:
         files = expand_inputs(args.input, SUFFIXES + TEXT_SUFFIXES)
         os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-        lines = iter_lines(files, args.json_keys, args.max_sentence_length, args.skip_bad_lines,
-                           bad)
+        lines = iter_lines(
+            files, args.json_keys, args.max_sentence_length, args.skip_bad_lines, bad
+        )
         sample, seen = reservoir(lines, args.max_sentences, args.seed)
         if not sample:
             raise InputError(f"no text found in {len(files)} input file(s)")
-        print(f"training a {args.model_type} model of {args.vocab_size} pieces on "
-              f"{len(sample):,} of {seen:,} lines", file=sys.stderr)
+        print(
+            f"training a {args.model_type} model of {args.vocab_size} pieces on "
+            f"{len(sample):,} of {seen:,} lines",
+            file=sys.stderr,
+        )
         train(args, sample)
         manifest = write_manifest(args, files, seen, len(sample), bad, time.perf_counter() - t0)
     except (InputError, ValueError, OSError, UnicodeDecodeError) as exc:
@@ -176,8 +243,11 @@ def main(argv=None) -> int:
         return 1
     if bad:
         print(f"skipped {len(bad)} bad line(s), first: {bad[0]}", file=sys.stderr)
-    print(f"wrote {args.output_prefix}.model ({manifest['vocab_size']} pieces, "
-          f"eod={manifest['special_ids']['eod']}) in {manifest['seconds']}s", file=sys.stderr)
+    print(
+        f"wrote {args.output_prefix}.model ({manifest['vocab_size']} pieces, "
+        f"eod={manifest['special_ids']['eod']}) in {manifest['seconds']}s",
+        file=sys.stderr,
+    )
     return 0
 
 

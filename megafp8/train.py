@@ -26,8 +26,8 @@ from megafp8.model.gpt import GPTModel
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
-from megafp8.validate import validate
 from megafp8.parallel.random import model_parallel_seed
+from megafp8.validate import validate
 
 log = logging.getLogger("megafp8")
 
@@ -57,6 +57,9 @@ def check_inputs(cfg: Config) -> None:
                     raise ValueError(f"data_path: {p + ext} does not exist")
     if d.tokenizer_model and not os.path.exists(d.tokenizer_model):
         raise ValueError(f"tokenizer_model: {d.tokenizer_model} does not exist")
+    from megafp8.data.tokenizer import check_run_tokenizer
+
+    check_run_tokenizer(cfg)  # type, files, vocab_size, and each dataset's ids and EOD
     if cfg.train.load and not os.path.isdir(cfg.train.load):
         raise ValueError(f"load: {cfg.train.load} is not a directory")
 
@@ -91,11 +94,10 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
 
 def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     from megafp8.data.loader import build_data_iterators
-    from megafp8.data.tokenizer import build_tokenizer
+    from megafp8.data.tokenizer import build_tokenizer, model_vocab_size
 
     tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
-    if cfg.model.vocab_size is None:
-        cfg = cfg.replace(model={"vocab_size": tok.vocab_size})
+    cfg = cfg.replace(model={"vocab_size": model_vocab_size(cfg.model.vocab_size, tok)})
     rng = model_parallel_seed(cfg.train.seed, groups.coords.tp, groups.coords.pp)
     backend = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
     model = GPTModel(

@@ -23,7 +23,7 @@ from megafp8.config import global_batch_size
 from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
 from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from megafp8.data.indexed import IndexedDataset
-from megafp8.data.tokenizer import DEFAULT_MOCK_VOCAB_SIZE
+from megafp8.data.tokenizer import DEFAULT_MOCK_VOCAB_SIZE, check_data_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None
             (w, IndexedDataset(p), _cache_dir(cfg, p))
             for w, p in parse_data_path(cfg.data.data_path)
         ]
+        if tokenizer is not None:  # same ids and EOD as preprocess_data.py wrote
+            check_data_tokenizer(cfg.data, tokenizer)
     out: dict[str, object | None] = {}
     for s, name in enumerate(SPLITS):
         ranges = [split_ranges(len(low), fractions)[s] for _, low, _ in parts]
