@@ -102,8 +102,11 @@ def latest_tag(load_dir: str) -> str | None:
     return tag
 
 
-def load(engine, load_dir: str, tag: str | None = None) -> tuple[dict, dict] | None:
-    """Load the newest (or ``tag``) checkpoint; returns (client_state, meta) or None if none."""
+def load(
+    engine, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True
+) -> tuple[dict, dict] | None:
+    """Load the newest (or ``tag``) checkpoint; returns (client_state, meta) or None if none.
+    ``load_optimizer_states=False`` (``--no-load-optim``) keeps the fresh optimizer."""
     tag = tag or latest_tag(load_dir)
     if tag is None:
         return None
@@ -115,7 +118,10 @@ def load(engine, load_dir: str, tag: str | None = None) -> tuple[dict, dict] | N
             f"is not {FORMAT_VERSION}"
         )
     path, client = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        load_dir,
+        tag=tag,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=False,
     )
     if path is None:
         raise ValueError(f"DeepSpeed could not load {load_dir}/{tag}")

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import types
 import typing
 from dataclasses import fields
 
 import yaml
 
+from megafp8 import megatron_compat
 from megafp8.config import Config, all_fields
 
 ALIASES = {"disable_bias_linear": ("model", "add_bias_linear", False)}
@@ -41,10 +44,16 @@ def _base_type(tp):
     return typing.get_origin(tp) or tp
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``error: ...``, exit status 2), like every other
+    bad input, instead of the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py", description="megafp8 GPT pretraining", allow_abbrev=False
-    )
+    p = _Parser(prog="pretrain_gpt.py", description="megafp8 GPT pretraining", allow_abbrev=False)
     p.add_argument("--config", help="YAML run file (sections or flat keys)")
     for name, (sec, f, tp) in _field_table().items():
         flag = "--" + name.replace("_", "-")
@@ -95,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="[model] no biases in linear layers",
     )
+    megatron_compat.add_flags(p)
     return p
 
 
@@ -151,16 +161,60 @@ def config_from_values(values: dict) -> Config:
     return Config().replace(**sections)
 
 
-def parse_args(argv=None) -> Config:
-    """Flags (and ``--config``) -> Config. argparse exits 2 on unknown flags; bad values raise."""
-    ns = build_parser().parse_args(argv)
+def _megatron_run_file(d, path: str) -> list[str] | None:
+    """A Megatron-style run file (``MODEL_ARGS: {--num-layers: 32, ...}``, groups of flags
+    named as on the command line, or such flags at the top) -> argv; None for our own format.
+    ``true``/null: a switch; ``false``: left out; a list: several values."""
+    if not isinstance(d, dict):
+        return None
+    blocks = [d] + [v for v in d.values() if isinstance(v, dict)]
+    if not any(str(k).startswith("--") for b in blocks for k in b):
+        return None
+    argv: list[str] = []
+    for key, v in d.items():
+        for flag, val in v.items() if isinstance(v, dict) else [(key, v)]:
+            if not str(flag).startswith("--"):
+                raise ValueError(f"{path}: '{flag}' under '{key}': flags are written --name")
+            if val is False:
+                continue
+            argv.append(str(flag))
+            if isinstance(val, list):
+                argv += [str(x) for x in val]
+            elif val is not True and val is not None:
+                argv.append(str(val))
+    return argv
+
+
+def parse_args(argv=None, notices: list | None = None) -> Config:
+    """Flags (and ``--config``) -> Config. Parse errors exit 2 with one line; bad values and
+    refused Megatron flags raise ValueError. ``notices`` collects one line per Megatron flag that
+    has no effect here (printed on rank 0 when not given)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     values: dict = {}
     if ns.config:
         with open(ns.config) as f:
-            values.update(_flatten_run_file(yaml.safe_load(f), ns.config))
+            doc = yaml.safe_load(f)
+        megatron = _megatron_run_file(doc, ns.config)
+        if megatron is not None:  # flags of the file first, so the command line overrides them
+            ns = parser.parse_args(megatron + argv)
+        else:
+            values.update(_flatten_run_file(doc, ns.config))
+    compat = {}
     for k, v in vars(ns).items():
-        if k != "config" and v is not None:
+        if v is None or k == "config":
+            continue
+        if k in megatron_compat.BY_DEST:
+            compat[k] = v
+        else:
             values[k] = v
+    found = megatron_compat.resolve(compat, values)
+    if notices is not None:
+        notices.extend(found)
+    elif os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        for n in found:
+            print(f"notice: {n}", file=sys.stderr)
     return config_from_values(values)
 
 

@@ -58,6 +58,13 @@ class ModelConfig:
     cross_entropy_loss_fusion: bool = _f(
         True, "the loss as fused Triton kernels on CUDA (the torch loss elsewhere)"
     )
+    apply_layernorm_1p: bool = _f(
+        False, "LayerNorm weights centered on zero: the norm multiplies by (1 + weight)"
+    )
+    attention_backend: str = _f(
+        "auto", "te backend's attention kernels (torch: SDPA picks its own)",
+        ("auto", "flash", "fused", "unfused", "local"),
+    )  # fmt: skip
 
     @property
     def ffn(self) -> int:
@@ -148,6 +155,12 @@ class OptimConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    decoupled_lr: float | None = _f(
+        None, "peak learning rate of the input embedding and output layer (None: lr)"
+    )
+    decoupled_min_lr: float | None = _f(None, "their final learning rate (None: min_lr)")
+    overlap_grad_reduce: bool = _f(False, "ZeRO: overlap the gradient reduction with backward")
+    grad_reduce_in_bf16: bool = _f(False, "ZeRO: reduce gradients in bf16 (with --bf16)")
     zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
 
 
@@ -189,6 +202,23 @@ class TrainConfig:
     eval_iters: int = _f(10, "validation batches per evaluation")
     exit_on_nan: bool = _f(True, "stop when the loss is NaN or inf")
     deterministic: bool = _f(False, "deterministic kernels only (torch and TE)")
+    exit_duration_in_mins: float | None = _f(
+        None, "save and exit once the run has lasted this long"
+    )
+    distributed_timeout_minutes: int = _f(30, "timeout of the process-group collectives")
+    load_optim: bool = _f(True, "with --load: restore the optimizer state too")
+    load_rng: bool = _f(True, "with --load: restore the RNG streams too")
+    calculate_per_token_loss: bool = _f(
+        False, "loss = sum over the global batch's tokens / their count (not a mean of means)"
+    )
+    manual_gc: bool = _f(False, "turn Python's garbage collector off; collect at set points")
+    manual_gc_interval: int = _f(0, "with manual_gc: collect every this many iterations (0: never)")
+    empty_unused_memory_level: int = _f(
+        0, "release cached GPU memory: 1 after each step, 2 also after each micro-batch", (0, 1, 2)
+    )
+    profile: bool = _f(False, "torch.profiler trace of iterations profile_step_start..end")
+    profile_step_start: int = _f(10, "first profiled iteration")
+    profile_step_end: int = _f(12, "iteration at which profiling stops")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import datetime
 import logging
 import math
 import os
-import signal
 import sys
 
 import torch
@@ -27,6 +26,7 @@ from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
 from megafp8.parallel.random import model_parallel_seed
+from megafp8.run_hooks import RunHooks, Signals
 from megafp8.validate import validate
 
 log = logging.getLogger("megafp8")
@@ -80,7 +80,8 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
         backend = cfg.parallel.distributed_backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=cfg.train.distributed_timeout_minutes)
+        dist.init_process_group(backend, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     p = cfg.parallel
     groups = ParallelGroups.build(
@@ -99,7 +100,12 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
     cfg = cfg.replace(model={"vocab_size": model_vocab_size(cfg.model.vocab_size, tok)})
     rng = model_parallel_seed(cfg.train.seed, groups.coords.tp, groups.coords.pp)
-    backend = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group)
+    backend = build_backend(
+        cfg.fp8,
+        amax_group=groups.tp_dp_group,
+        tp_group=groups.tp_group,
+        attention_backend=cfg.model.attention_backend,
+    )
     model = GPTModel(
         cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng
     )
@@ -123,22 +129,54 @@ def _dp_mean(x: torch.Tensor, groups: ParallelGroups) -> float:
     return float(x)
 
 
-def train_step(run: Run, train_iter) -> tuple[float, float | None]:
-    """One iteration (all micro-batches of the global batch); returns (DP-mean loss, grad norm)."""
-    eng, gas = run.engine, run.engine.gradient_accumulation_steps()
-    set_lr(eng, learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters))
+def _lrs(cfg: Config, iteration: int) -> tuple[float, float | None]:
+    """This iteration's lr, and the decoupled lr of the embedding and output layer."""
+    o, n = cfg.optim, cfg.train.train_iters
+    if o.decoupled_lr is None:
+        return learning_rate(o, iteration, n), None
+    dec = dataclasses.replace(o, lr=o.decoupled_lr, min_lr=o.decoupled_min_lr or o.min_lr)
+    return learning_rate(o, iteration, n), learning_rate(dec, iteration, n)
+
+
+def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
+    """One iteration (all micro-batches of the global batch); returns (DP-mean loss, grad norm).
+
+    The loss of a micro-batch is the mean over its counted tokens; the iteration's is the mean
+    of those. With ``calculate_per_token_loss`` it is instead the sum over every counted token of
+    the global batch (all micro-batches, all DP ranks) over their number: each micro-batch's
+    loss is weighted by its token count before the backward (DeepSpeed divides by the
+    accumulation steps and averages over DP, which the weight undoes)."""
+    eng, gas, cfg = run.engine, run.engine.gradient_accumulation_steps(), run.cfg
+    set_lr(eng, *_lrs(cfg, run.iteration))
     total = torch.zeros((), device=run.device)
+    per_token = cfg.train.calculate_per_token_loss
+    if per_token:  # every micro-batch's token count first: the weights need the total
+        batches = [_to(next(train_iter), run.device) for _ in range(gas)]
+        counts = [b["loss_mask"].float().sum() for b in batches]
+        n_total = torch.stack(counts).sum()
+        if run.groups.dp > 1:
+            dist.all_reduce(n_total, group=run.groups.dp_group)
+        n_total = n_total.clamp(min=1.0)
     for i in range(gas):
-        b = _to(next(train_iter), run.device)
+        b = batches[i] if per_token else _to(next(train_iter), run.device)
         run.backend.microbatch(i)
         with run.backend.autocast():
             loss = eng(b["tokens"], b["labels"], b["loss_mask"])
-        eng.backward(loss)
+        if per_token:
+            weight = counts[i] * (gas * run.groups.dp) / n_total
+            eng.backward(loss * weight)
+            total += loss.detach().float() * counts[i]
+        else:
+            eng.backward(loss)
+            total += loss.detach().float()
         run.backend.update()
         eng.step()
-        total += loss.detach().float()
+        if hooks is not None:
+            hooks.after_microbatch()
     gn = eng.get_global_grad_norm()
     gn = float(gn) if gn is not None else None
+    if per_token:  # sum over DP of the token-weighted sums, over the global token count
+        return _dp_mean(total / n_total, run.groups) * run.groups.dp, gn
     return _dp_mean(total / gas, run.groups), gn
 
 
@@ -177,14 +215,16 @@ def save(run: Run) -> None:
 def resume(run: Run) -> bool:
     from megafp8.data.loader import build_data_iterators
 
-    got = checkpoint.load(run.engine, run.cfg.train.load)
+    t = run.cfg.train
+    got = checkpoint.load(run.engine, t.load, load_optimizer_states=t.load_optim)
     if got is None:
         log.info("no checkpoint in %s: starting from scratch", run.cfg.train.load)
         return False
     client, meta = got
     run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
     run.backend.load_state_dict(client["fp8"])
-    run.rng.load_state_dict(client["rng"])
+    if t.load_rng:  # --no-load-rng: the streams seeded by this run's --seed stay
+        run.rng.load_state_dict(client["rng"])
     run.data = build_data_iterators(
         run.cfg,
         dp_rank=run.groups.coords.dp,
@@ -198,27 +238,6 @@ def resume(run: Run) -> bool:
         run.consumed,
     )
     return True
-
-
-class _Signals:
-    """SIGTERM/SIGUSR1 (SLURM's pre-emption warning): save after this iteration, exit."""
-
-    def __init__(self):
-        self.hit = False
-        for s in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(s, self._on)
-            except ValueError:  # not the main thread
-                pass
-
-    def _on(self, *_):
-        self.hit = True
-
-    def any(self, device) -> bool:
-        flag = torch.tensor(float(self.hit), device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def train(cfg: Config, run: Run | None = None) -> list[dict]:
@@ -242,11 +261,13 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     flops = metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
     peak = metrics.peak_tflops(cfg.fp8.enabled)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    train_iter, signals, history = iter(run.data.train), _Signals(), []
+    train_iter, signals, history = iter(run.data.train), Signals(), []
     timer = metrics.Timer()
+    hooks = RunHooks(cfg, run.groups.rank)
     timer.start()
     while run.iteration < t.train_iters:
-        loss, gnorm = train_step(run, train_iter)
+        hooks.before_step(run.iteration + 1)
+        loss, gnorm = train_step(run, train_iter, hooks)
         run.iteration += 1
         run.consumed += gbs
         if not math.isfinite(loss) and t.exit_on_nan:
@@ -269,18 +290,25 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             _log_line(run, rec, gbs, tb, rank0)
             timer.start()
         history.append(rec)
+        hooks.after_step(run.iteration)
         if t.eval_interval and run.iteration % t.eval_interval == 0:
+            hooks.before_eval_or_save()
             _eval_and_log(run, tb, rank0)
-        stop = signals.any(run.device)
+        deadline = hooks.deadline_passed()
+        stop = signals.any(run.device, deadline)
         if t.save and (
             (t.save_interval and run.iteration % t.save_interval == 0)
             or stop
             or run.iteration == t.train_iters
         ):
+            hooks.before_eval_or_save()
             save(run)
         if stop:
-            log.warning("signal received: saved at iteration %d, exiting", run.iteration)
+            why = "signal received" if signals.hit else "exit duration reached"
+            log.warning("%s: %s at iteration %d, exiting", why, "saved" if t.save else "not saved",
+                        run.iteration)  # fmt: skip
             break
+    hooks.close()
     tb.close()
     return history
 

@@ -51,6 +51,25 @@ class PlainLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class ZeroCenteredNorm(nn.Module):
+    """LayerNorm or RMSNorm whose weight is stored centered on zero: it multiplies by
+    ``1 + weight`` (Megatron's ``--apply-layernorm-1p``), so weight decay pulls it towards 1."""
+
+    def __init__(self, normalization: str, hidden: int, eps: float, *, dtype, device):
+        super().__init__()
+        self.layer = normalization == "LayerNorm"
+        self.shape, self.eps = (hidden,), eps
+        self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if self.layer else None
+        )
+
+    def forward(self, x):  # [..., h] -> [..., h]
+        if self.layer:
+            return F.layer_norm(x, self.shape, 1.0 + self.weight, self.bias, self.eps)
+        return F.rms_norm(x, self.shape, 1.0 + self.weight, self.eps)
+
+
 class SdpaAttention(nn.Module):
     """Causal softmax(q k^T / sqrt(d)) v of this rank's heads with torch's SDPA. Grouped-query:
     ``kv_heads`` < ``heads``, each kv head serving ``heads / kv_heads`` query heads. Dropout on the
@@ -104,7 +123,17 @@ class Backend:
         return PlainLinear(in_features, out_features, bias, dtype=dtype, device=device)
 
     def make_norm_linear(
-        self, in_features, out_features, bias, *, normalization, eps, fp8=True, dtype, device
+        self,
+        in_features,
+        out_features,
+        bias,
+        *,
+        normalization,
+        eps,
+        zero_centered_gamma=False,
+        fp8=True,
+        dtype,
+        device,
     ) -> nn.Module:
         """norm(x) w^T in one module, with ``norm_parameters()``; only where ``fuses_norm``."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse norms into GEMMs")
@@ -113,8 +142,20 @@ class Backend:
         """norm + fc1 + activation + fc2 of one layer's MLP shard; only where ``fuses_mlp``."""
         raise NotImplementedError(f"backend {self.name!r} has no fused MLP")
 
-    def make_norm(self, normalization: str, hidden: int, eps: float, *, dtype, device) -> nn.Module:
-        """LayerNorm or RMSNorm over the last dim."""
+    def make_norm(
+        self,
+        normalization: str,
+        hidden: int,
+        eps: float,
+        *,
+        zero_centered_gamma: bool = False,
+        dtype,
+        device,
+    ) -> nn.Module:
+        """LayerNorm or RMSNorm over the last dim (weight stored as ``w - 1`` when
+        ``zero_centered_gamma``)."""
+        if zero_centered_gamma:
+            return ZeroCenteredNorm(normalization, hidden, eps, dtype=dtype, device=device)
         if normalization == "LayerNorm":
             return nn.LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
         return nn.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
@@ -162,9 +203,10 @@ def resolve_backend_name(f) -> str:
     return f.fp8_backend
 
 
-def build_backend(f, *, amax_group, tp_group) -> Backend:
+def build_backend(f, *, amax_group, tp_group, attention_backend: str = "auto") -> Backend:
     """From an ``Fp8Config``. ``amax_group``: every rank holding a shard or replica of the same
-    tensors (TP x DP), over which FP8 amaxes are reduced; ``tp_group``: this rank's TP group."""
+    tensors (TP x DP), over which FP8 amaxes are reduced; ``tp_group``: this rank's TP group.
+    ``attention_backend`` (Megatron's flag) picks the te backend's attention kernels."""
     from megafp8.fp8.recipe import Fp8Recipe
 
     name = resolve_backend_name(f)
@@ -187,6 +229,7 @@ def build_backend(f, *, amax_group, tp_group) -> Backend:
             amax_group=amax_group,
             fused_norm=f.te_fused_norm,
             fused_mlp=f.te_fused_mlp,
+            attention_backend=attention_backend,
             weight_cache=f.te_weight_cache,
         )
     if name == "torch" and recipe is not None:

@@ -9,15 +9,23 @@ holding this rank's shard; the TP collectives stay ours, around them.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
 from torch import nn
 
-from megafp8.fp8.backend import Backend
+from megafp8.fp8.backend import Backend, SdpaAttention
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, mark_tp, param_seed
+
+# Megatron's --attention-backend -> TE's kernel switches ("auto": TE chooses; "local": ours)
+ATTENTION_ENV = {
+    "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+    "fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
+    "unfused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "1"},
+}
 
 
 def te_available() -> bool:
@@ -51,6 +59,7 @@ class TEBackend(Backend):
         amax_group,
         fused_norm: bool = True,
         fused_mlp: bool = False,
+        attention_backend: str = "auto",
         weight_cache: bool = True,
     ):
         import transformer_engine.common.recipe as ter
@@ -61,6 +70,9 @@ class TEBackend(Backend):
         # zero-fills and sums three full qkv gradients. Keep the views, drop the warning.
         warnings.filterwarnings("ignore", "Relying on pointer-based detection", DeprecationWarning)
         self.te = te
+        self.attention_backend = attention_backend
+        if attention_backend in ATTENTION_ENV:  # TE reads these when it picks a kernel
+            os.environ.update(ATTENTION_ENV[attention_backend])
         self.fp8 = recipe is not None
         self.amax_group = amax_group
         self.te_recipe = None
@@ -85,7 +97,7 @@ class TEBackend(Backend):
             else:
                 self.te_recipe = ter.MXFP8BlockScaling(fp8_format=fmt)
 
-    def _linear(self, in_features, out_features, bias, fp8, dtype, device, norm=None):
+    def _linear(self, in_features, out_features, bias, fp8, dtype, device, norm=None, zc=False):
         return TELinear(
             self.te,
             in_features,
@@ -95,6 +107,7 @@ class TEBackend(Backend):
             dtype=dtype,
             device=device,
             norm=norm,
+            zero_centered_gamma=zc,
             cache=self.cache,
         )
 
@@ -105,10 +118,22 @@ class TEBackend(Backend):
         return self._linear(in_features, out_features, bias, fp8, dtype, device)
 
     def make_norm_linear(
-        self, in_features, out_features, bias, *, normalization, eps, fp8=True, dtype, device
+        self,
+        in_features,
+        out_features,
+        bias,
+        *,
+        normalization,
+        eps,
+        zero_centered_gamma=False,
+        fp8=True,
+        dtype,
+        device,
     ):
         norm = (normalization, eps)
-        return self._linear(in_features, out_features, bias, fp8, dtype, device, norm)
+        return self._linear(
+            in_features, out_features, bias, fp8, dtype, device, norm, zero_centered_gamma
+        )
 
     def make_fused_mlp(self, cfg, *, groups, layer, seed, fp8, dtype, device):
         return TEFusedMLP(
@@ -116,11 +141,19 @@ class TEBackend(Backend):
             device=device,
         )  # fmt: skip
 
-    def make_norm(self, normalization, hidden, eps, *, dtype, device):
+    def make_norm(self, normalization, hidden, eps, *, zero_centered_gamma=False, dtype, device):
         cls = self.te.LayerNorm if normalization == "LayerNorm" else self.te.RMSNorm
-        return cls(hidden, eps=eps, params_dtype=dtype, device=device or "cuda")
+        return cls(
+            hidden,
+            eps=eps,
+            zero_centered_gamma=zero_centered_gamma,
+            params_dtype=dtype,
+            device=device or "cuda",
+        )
 
     def make_core_attention(self, heads, head_dim, kv_heads, *, dropout, rng=None):
+        if self.attention_backend == "local":  # Megatron's "local": the framework's own attention
+            return SdpaAttention(heads, head_dim, kv_heads, dropout, rng)
         # [s, b, np, hd] in, [s, b, np*hd] out; TE copies a layout it cannot read
         return self.te.DotProductAttention(
             heads,
@@ -149,7 +182,18 @@ class TELinear(nn.Module):
     plain = False
 
     def __init__(
-        self, te, in_features, out_features, bias, *, fp8, dtype, device, norm=None, cache=None
+        self,
+        te,
+        in_features,
+        out_features,
+        bias,
+        *,
+        fp8,
+        dtype,
+        device,
+        norm=None,
+        zero_centered_gamma=False,
+        cache=None,
     ):
         super().__init__()
         self.fp8, self.te, self.cache = fp8, te, cache or WeightCache()
@@ -160,7 +204,12 @@ class TELinear(nn.Module):
             self.inner = te.Linear(in_features, out_features, **kw)
         else:
             self.inner = te.LayerNormLinear(
-                in_features, out_features, eps=norm[1], normalization=norm[0], **kw
+                in_features,
+                out_features,
+                eps=norm[1],
+                normalization=norm[0],
+                zero_centered_gamma=zero_centered_gamma,
+                **kw,
             )
         self.weight = self.inner.weight
         self.bias = self.inner.bias if bias else None
@@ -196,6 +245,7 @@ class TEFusedMLP(nn.Module):
             eps=m.norm_epsilon,
             bias=m.add_bias_linear,
             normalization=m.normalization,
+            zero_centered_gamma=m.apply_layernorm_1p,
             activation="swiglu" if m.swiglu else "gelu",
             return_bias=True,
             params_dtype=dtype,

@@ -17,7 +17,12 @@ def make_norm(cfg, backend, groups, dtype, device) -> nn.Module:
     weights' gradients are summed over TP."""
     m = cfg.model
     norm = backend.make_norm(
-        m.normalization, m.hidden_size, m.norm_epsilon, dtype=dtype, device=device
+        m.normalization,
+        m.hidden_size,
+        m.norm_epsilon,
+        zero_centered_gamma=m.apply_layernorm_1p,
+        dtype=dtype,
+        device=device,
     )
     if cfg.parallel.sequence_parallel:
         for p in norm.parameters():
@@ -53,7 +58,7 @@ class TransformerBlock(nn.Module):
         # Backends that fuse the norm into the next GEMM (TE's LayerNormLinear) get it there; not
         # under SP, where the norm must run on sequence shards before the all-gather.
         fuse = backend.fuses_norm and not cfg.parallel.sequence_parallel
-        norm = (m.normalization, m.norm_epsilon) if fuse else None
+        norm = (m.normalization, m.norm_epsilon, m.apply_layernorm_1p) if fuse else None
         attn_norm = norm if m.kv_heads % groups.tp == 0 else None
         kw = dict(
             backend=backend,

@@ -47,6 +47,8 @@ def deepspeed_config(cfg, dp: int) -> dict:
         zero.update(
             {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50_000_000}
         )
+    if o.overlap_grad_reduce and o.zero_stage >= 1:  # reduce buckets while backward goes on
+        zero["overlap_comm"] = True
     return {
         "train_batch_size": gbs,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -54,22 +56,28 @@ def deepspeed_config(cfg, dp: int) -> dict:
         "gradient_clipping": o.clip_grad,
         "zero_optimization": zero,
         "bf16": {"enabled": bool(t.bf16)},
+        **({"communication_data_type": "bf16"} if o.grad_reduce_in_bf16 else {}),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's grouping: no weight decay on biases and 1-D parameters (norms)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
+DECOUPLED = ("embedding.weight", "output")  # the input embedding and the untied output layer
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = False):
+    """Megatron's grouping: no weight decay on biases and 1-D parameters (norms); with
+    ``decoupled``, the embedding and output layer in groups of their own (their own lr)."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+            key = (p.ndim >= 2, decoupled and name in DECOUPLED)
+            groups.setdefault(key, []).append(p)
+    return [
+        {"params": ps, "weight_decay": weight_decay if decay else 0.0, "decoupled": dec}
+        for (decay, dec), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+    ]
 
 
 def build_engine(model, cfg, groups):
@@ -78,7 +86,7 @@ def build_engine(model, cfg, groups):
     o = cfg.optim
     fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
     opt = torch.optim.AdamW(
-        param_groups(model, o.weight_decay),
+        param_groups(model, o.weight_decay, decoupled=o.decoupled_lr is not None),
         lr=o.lr,
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,
@@ -94,6 +102,7 @@ def build_engine(model, cfg, groups):
     return engine
 
 
-def set_lr(engine, lr: float) -> None:
+def set_lr(engine, lr: float, decoupled_lr: float | None = None) -> None:
+    """``decoupled_lr`` (Megatron's ``--decoupled-lr``) for the embedding and output layer."""
     for g in engine.optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr

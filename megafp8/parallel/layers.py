@@ -86,7 +86,8 @@ class ColumnParallelLinear(nn.Module):
     Forward: x is copied to (or, under SP, all-gathered along the sequence into) the TP region; the
     output stays split along its last dim. Backward: the input gradient is all-reduced (or, under
     SP, reduce-scattered along the sequence). ``rows`` defaults to this rank's contiguous chunk.
-    ``norm=(kind, eps)`` fuses that norm in front of the GEMM (backends with ``fuses_norm``).
+    ``norm=(kind, eps, zero_centered_gamma)`` fuses that norm in front of the GEMM (backends with
+    ``fuses_norm``).
     """
 
     def __init__(
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
         dtype=torch.float32,
         device=None,
         fp8=True,
-        norm: tuple[str, float] | None = None,
+        norm: tuple[str, float, bool] | None = None,
     ):
         super().__init__()
         tp, r = M.world(tp_group), M.rank_in(tp_group)
@@ -136,6 +137,7 @@ class ColumnParallelLinear(nn.Module):
                 bias,
                 normalization=norm[0],
                 eps=norm[1],
+                zero_centered_gamma=norm[2],
                 fp8=fp8,
                 dtype=dtype,
                 device=device,

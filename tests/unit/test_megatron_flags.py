@@ -1,0 +1,255 @@
+"""Megatron-LM users' scripts: the flag sets of its GPT-3 175B, Llama-3 8B FP8 and Mixtral 8x7B
+example launch scripts (model shrunk) go through our parser; each flag is honoured, accepted with a
+one-line notice, or refused with a one-line error naming what to use instead. Megatron-style YAML
+run files give the same config as the flags. The flags honoured by the loop are tested here too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megafp8.cli import parse_args
+from megafp8.validate import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHRUNK = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"  # noqa: E501
+
+# examples/gpt3/train_gpt3_175b_distributed.sh, model shrunk (its --tensor/--pipeline sizes kept)
+GPT3 = (
+    SHRUNK + " --attention-backend auto --micro-batch-size 1 --global-batch-size 1536"
+    " --rampup-batch-size 16 16 5859375 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9"
+    " --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5"
+    " --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000"
+    " --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --data-path D_text_document"
+    " --vocab-file vocab.json --merge-file merges.txt --split 949,50,1 --log-interval 100"
+    " --save-interval 10000 --eval-interval 1000 --save ck --load ck --eval-iters 10"
+    " --tensorboard-dir tb"
+)
+# examples/llama/train_llama3_8b_h100_fp8.sh with mock data, shrunk (kv-channels = 64 / 4)
+LLAMA = (
+    "--use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 160"
+    " --num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 16"
+    " --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope"
+    " --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0"
+    " --swiglu --init-method-std 0.0134 --attention-backend fused --apply-layernorm-1p"
+    " --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1"
+    " --global-batch-size 4 --train-samples 16 --lr-decay-samples 12 --lr-warmup-samples 4"
+    " --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5"
+    " --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9"
+    " --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion"
+    " --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1"
+    " --exit-duration-in-mins 235 --fp8-format hybrid --fp8-amax-history-len 1024"
+    " --fp8-amax-compute-algo max --fp8-param-gather --tensor-model-parallel-size 1"
+    " --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce"
+    " --overlap-param-gather --mock-data --tokenizer-type NullTokenizer --vocab-size 256"
+    " --tiktoken-pattern v2 --split 99,1,0 --no-create-attention-mask-in-dataloader"
+    " --no-mmap-bin-files --num-workers 1 --log-interval 1 --eval-iters 32 --eval-interval 100"
+    " --save-interval 1000 --log-throughput --profile --profile-step-start 2 --profile-step-end 3"
+    " --ckpt-format torch_dist --distributed-timeout-minutes 60 --save CK --load CK"
+)
+# examples/mixtral/train_mixtral_8x7b_distributed.sh (its model is small already)
+MIXTRAL_DENSE = (
+    "--use-mcore-models --disable-bias-linear --seq-length 256 --max-position-embeddings 2048"
+    " --num-layers 2 --hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 2"
+    " --init-method-std 0.01 --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm"
+    " --position-embedding-type rope --swiglu --untie-embeddings-and-output-weights"
+    " --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion"
+    " --no-position-embedding --rotary-base 1000000 --mock-data --split 99990,8,2"
+    " --micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 7 --min-lr 1.0e-5"
+    " --weight-decay 0.1 --clip-grad 1.0 --tensor-model-parallel-size 1"
+    " --pipeline-model-parallel-size 1 --use-distributed-optimizer --eval-iters 10"
+    " --no-load-optim --no-load-rng --overlap-param-gather --overlap-grad-reduce"
+)
+MIXTRAL_MOE = (
+    " --num-experts 2 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss"
+    " --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2"
+)
+
+
+def _parse(flags: str):
+    notices: list[str] = []
+    return parse_args(flags.split(), notices), notices
+
+
+def test_gpt3_175b_script():
+    with pytest.raises(ValueError, match=r"^--fp16: .*use --bf16"):
+        _parse(GPT3)
+    no_fp16 = GPT3.replace(" --fp16", " --bf16")
+    with pytest.raises(ValueError, match=r"^--rampup-batch-size: .*constant --global-batch-size"):
+        _parse(no_fp16)
+    cfg, notices = _parse(no_fp16.replace(" --rampup-batch-size 16 16 5859375", ""))
+    assert notices == []
+    assert cfg.optim.lr_warmup_iters == 430  # .001 of the 430000 decay iterations
+    assert (cfg.data.vocab_file, cfg.data.merge_file) == ("vocab.json", "merges.txt")
+    assert cfg.optim.adam_beta2 == 0.95 and cfg.parallel.tensor_model_parallel_size == 8
+    with pytest.raises(ValueError, match="pipeline parallelism is not available yet"):
+        validate(cfg, 8 * 16)
+
+
+def test_llama3_8b_fp8_script():
+    cfg, notices = _parse(LLAMA)
+    t, o, m = cfg.train, cfg.optim, cfg.model
+    assert (t.train_iters, o.lr_decay_iters, o.lr_warmup_iters) == (4, 3, 1)  # samples / 4
+    assert o.zero_stage == 1 and o.overlap_grad_reduce and o.grad_reduce_in_bf16
+    assert (o.decoupled_lr, o.decoupled_min_lr) == (5.0e-4, 4.5e-5)
+    assert m.apply_layernorm_1p and m.attention_backend == "fused" and m.kv_heads == 2
+    assert t.calculate_per_token_loss and t.manual_gc and t.empty_unused_memory_level == 1
+    assert t.exit_duration_in_mins == 235 and t.distributed_timeout_minutes == 60
+    assert t.profile and (t.profile_step_start, t.profile_step_end) == (2, 3)
+    assert cfg.fp8.fp8_format == "hybrid" and cfg.data.tokenizer_type == "NullTokenizer"
+    noticed = sorted(n.split()[0] for n in notices)
+    assert noticed == sorted(
+        [
+            "--use-mcore-models",
+            "--fp8-param-gather",
+            "--overlap-param-gather",
+            "--tiktoken-pattern",
+            "--no-create-attention-mask-in-dataloader",
+            "--no-mmap-bin-files",
+            "--ckpt-format",
+        ]
+    )
+    assert all("has no effect here: " in n for n in notices)
+    assert validate(cfg, 1) == 1
+
+
+def test_mixtral_script():
+    with pytest.raises(ValueError, match=r"^--num-experts: mixture of experts is not available"):
+        _parse(MIXTRAL_DENSE + MIXTRAL_MOE)
+    cfg, notices = _parse(MIXTRAL_DENSE)
+    assert cfg.train.load_optim is False and cfg.train.load_rng is False
+    assert cfg.model.normalization == "RMSNorm" and cfg.optim.zero_stage == 1
+    assert [n.split()[0] for n in notices] == [
+        "--use-mcore-models",
+        "--overlap-param-gather",
+        "--no-masked-softmax-fusion",
+    ]
+    assert validate(cfg, 1) == 1
+
+
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (
+            "--mock-data --kv-channels 8",
+            "--kv-channels 8 must equal hidden_size / num_attention_heads",
+        ),
+        ("--mock-data --rotary-percent 0.5", "only 1.0"),
+        ("--mock-data --context-parallel-size 2", "context parallelism is not available"),
+        ("--mock-data --no-position-embedding", "use --position-embedding-type rope"),
+        ("--mock-data --train-samples 10", "needs --global-batch-size"),
+        ("--mock-data --global-batch-size 4 --train-samples 10", "not a multiple of"),
+    ],
+)
+def test_checked_flags_name_the_problem(flags, msg):
+    with pytest.raises(ValueError, match=msg):
+        _parse(flags)
+
+
+def test_megatron_style_run_file_equals_the_flags(tmp_path):
+    f = tmp_path / "llama.yaml"
+    f.write_text(
+        "MODEL_ARGS:\n  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
+        "  --swiglu: true\n  --disable-bias-linear: true\n  --apply-layernorm-1p: false\n"
+        "TRAINING_ARGS:\n  --micro-batch-size: 1\n  --global-batch-size: 4\n"
+        "  --train-samples: 16\n  --use-distributed-optimizer: true\n"
+        "DATA_ARGS:\n  --mock-data: true\n  --split: '99,1,0'\n  --data-path: [0.5, A, 0.5, B]\n"
+        "--seq-length: 64\n"
+    )
+    from_file = parse_args(["--config", str(f), "--lr", "0.02"])
+    flags = parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --swiglu --disable-bias-linear"
+        " --micro-batch-size 1 --global-batch-size 4 --train-samples 16"
+        " --use-distributed-optimizer --mock-data --split 99,1,0 --data-path 0.5 A 0.5 B"
+        " --seq-length 64 --lr 0.02".split()
+    )
+    assert from_file == flags
+    assert from_file.train.train_iters == 4 and from_file.model.apply_layernorm_1p is False
+    f.write_text("MODEL_ARGS:\n  num-layers: 2\n  --hidden-size: 64\n")
+    with pytest.raises(ValueError, match="flags are written --name"):
+        parse_args(["--config", str(f)])
+
+
+def test_wrong_type_is_one_line_exit_2():
+    p = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--mock-data", "--num-layers", "two"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [
+        "error: argument --num-layers: invalid int value: 'two'"
+    ]
+
+
+def test_zero_centered_norm_is_the_norm_with_weight_one_plus_w():
+    from megafp8.fp8.backend import Backend
+
+    for kind in ("LayerNorm", "RMSNorm"):
+        zc = Backend().make_norm(
+            kind, 8, 1e-5, zero_centered_gamma=True, dtype=torch.float32, device=None
+        )
+        plain = Backend().make_norm(kind, 8, 1e-5, dtype=torch.float32, device=None)
+        assert torch.equal(zc.weight, torch.zeros(8))  # starts as the identity scale
+        with torch.no_grad():
+            zc.weight.uniform_(-0.5, 0.5)
+            plain.weight.copy_(1.0 + zc.weight)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(zc(x), plain(x), rtol=0, atol=1e-6)
+
+
+def test_decoupled_lr_groups_and_deepspeed_switches():
+    from megafp8.optim.zero import deepspeed_config, param_groups, set_lr
+    from tests.helpers.tiny import tiny_config
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(10, 4)
+            self.output = torch.nn.Parameter(torch.zeros(10, 4))
+            self.fc = torch.nn.Linear(4, 4)
+
+    groups = param_groups(Net(), 0.1, decoupled=True)
+
+    class Eng:
+        class optimizer:
+            param_groups = groups
+
+    set_lr(Eng, 1e-3, 5e-4)
+    got = {(g["decoupled"], g["weight_decay"], len(g["params"])): g["lr"] for g in groups}
+    assert got == {(False, 0.1, 1): 1e-3, (True, 0.1, 2): 5e-4, (False, 0.0, 1): 1e-3}
+    cfg = tiny_config(optim=dict(zero_stage=2, overlap_grad_reduce=True, grad_reduce_in_bf16=True))
+    ds = deepspeed_config(cfg, 1)
+    assert ds["zero_optimization"]["overlap_comm"] is True
+    assert ds["communication_data_type"] == "bf16"
+    assert "communication_data_type" not in deepspeed_config(tiny_config(), 1)
+
+
+def test_llama_script_trains_end_to_end(tmp_path):
+    """The Llama-3 8B FP8 flag set, shrunk, through pretrain_gpt.py on the CPU: every honoured
+    flag on the path (bf16 + FP8, per-token loss, decoupled lr, manual GC, profiler window)."""
+    (tmp_path / "ck").mkdir()
+    flags = LLAMA.replace(" --profile-step-end 3", " --profile-step-end 4")
+    flags = flags.replace(" CK", " " + str(tmp_path / "ck"))
+    argv = flags.split() + ["--tensorboard-dir", str(tmp_path / "tb"), "--eval-interval", "1000"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("lm loss:") == 4
+    assert "notice: --fp8-param-gather has no effect here" in p.stderr
+    trace = json.loads((tmp_path / "tb" / "profile_rank0.json").read_text())
+    assert trace["traceEvents"]  # iterations 2 and 3 were profiled
+    assert (tmp_path / "ck" / "latest").read_text() == "iter_0000004"

@@ -1,0 +1,120 @@
+"""Run flags from Megatron-LM honoured by the loop: per-token loss, exit duration, resuming
+without the optimizer state, manual GC."""
+
+import gc
+import math
+import os
+
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import tiny_config, train_losses
+
+GAS, MICRO = 3, 2
+
+
+def _batches(cfg):
+    """GAS micro-batches whose loss masks count different numbers of tokens (64, 46, 28)."""
+    g = torch.Generator().manual_seed(0)
+    s, v = cfg.model.seq_length, cfg.model.vocab_size
+    out = []
+    for i in range(GAS):
+        tokens = torch.randint(0, v, (MICRO, s + 1), generator=g)
+        mask = torch.ones(MICRO, s)
+        mask[:, : 9 * i] = 0.0
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask})
+    return out
+
+
+def _step_against_autograd(cfg):
+    """One train_step through DeepSpeed, and the same loss by plain autograd on a fresh model
+    built from the same seed: (loss, grad norm) of each."""
+    from megafp8.fp8.backend import Backend
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+    from megafp8.train import build_run, init_distributed, train_step
+
+    groups, device = init_distributed(cfg)
+    run = build_run(cfg, groups, device)
+    batches = _batches(cfg)
+    loss, gnorm = train_step(run, iter(batches))
+    ref = GPTModel(
+        cfg, backend=Backend(), groups=ParallelGroups.single(), vocab_size=cfg.model.vocab_size
+    )
+    losses = [ref(b["tokens"], b["labels"], b["loss_mask"]) for b in batches]
+    counts = [b["loss_mask"].sum() for b in batches]
+    if cfg.train.calculate_per_token_loss:  # every counted token of the global batch alike
+        total = sum(x * c for x, c in zip(losses, counts, strict=True)) / sum(counts)
+    else:  # the mean of the micro-batches' means
+        total = sum(losses) / len(losses)
+    total.backward()
+    ref_norm = math.sqrt(sum(float(p.grad.double().norm() ** 2) for p in ref.parameters()))
+    return loss, gnorm, float(total), ref_norm
+
+
+def test_per_token_loss_weights_every_token_alike():
+    results = {}
+    for per_token in (False, True):
+        cfg = tiny_config(
+            train=dict(
+                micro_batch_size=MICRO,
+                global_batch_size=MICRO * GAS,
+                calculate_per_token_loss=per_token,
+            ),
+            optim=dict(clip_grad=0.0),
+        )
+        loss, gnorm, ref_loss, ref_norm = run_distributed(_step_against_autograd, 1, cfg)[0]
+        # fp32, one process: the same sums in another order (DeepSpeed's accumulation)
+        assert math.isclose(loss, ref_loss, rel_tol=1e-6), (per_token, loss, ref_loss)
+        assert math.isclose(gnorm, ref_norm, rel_tol=1e-5), (per_token, gnorm, ref_norm)
+        results[per_token] = (loss, gnorm)
+    assert abs(results[True][0] - results[False][0]) > 1e-4  # the two definitions differ here
+
+
+def _cfg(**kw):
+    base = dict(
+        train=dict(train_iters=6, micro_batch_size=4, global_batch_size=8),
+        optim=dict(lr=3e-3, min_lr=3e-4, lr_warmup_iters=1, lr_decay_iters=6, zero_stage=1),
+    )
+    for k, v in kw.items():
+        base.setdefault(k, {}).update(v)
+    return tiny_config(**base)
+
+
+def _losses(cfg):
+    return train_losses(cfg)
+
+
+def test_exit_duration_saves_and_stops(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = _cfg(train=dict(save=ck, exit_duration_in_mins=1e-9))
+    losses = run_distributed(_losses, 1, cfg)[0]
+    assert len(losses) == 1  # the deadline had passed after the first iteration
+    assert open(os.path.join(ck, "latest")).read() == "iter_0000001"
+
+
+def test_no_load_optim_restores_weights_not_moments(tmp_path):
+    ck = str(tmp_path / "ck")
+    full = run_distributed(_losses, 1, _cfg())[0]
+    run_distributed(_losses, 1, _cfg(train=dict(train_iters=3, save=ck)))
+    fresh = run_distributed(_losses, 1, _cfg(train=dict(load=ck, load_optim=False)))[0]
+    kept = run_distributed(_losses, 1, _cfg(train=dict(load=ck)))[0]
+    assert kept == full[3:]  # everything restored: bit-identical
+    assert fresh[0] == full[3]  # iteration 4's loss comes from the loaded weights alone
+    assert fresh[1] != full[4]  # its update used fresh Adam moments
+
+
+def test_manual_gc_turns_the_collector_off_for_the_run():
+    from megafp8.run_hooks import RunHooks
+
+    hooks = RunHooks(_cfg(train=dict(manual_gc=True, manual_gc_interval=2)), rank=0)
+    try:
+        assert not gc.isenabled()
+        hooks.after_step(2)  # collects, stays off
+        assert not gc.isenabled()
+    finally:
+        hooks.close()
+    assert gc.isenabled()
+    late = RunHooks(_cfg(train=dict(exit_duration_in_mins=1.0)), rank=0, start_time=0.0)
+    assert late.deadline_passed()
+    assert not RunHooks(_cfg(), rank=0).deadline_passed()
