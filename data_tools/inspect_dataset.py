@@ -20,7 +20,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megafp8.data.indexed import IndexedDataset, IndexFormatError  # noqa: E402
-from megafp8.data.tokenizer import TOKENIZER_TYPES, make_tokenizer  # noqa: E402
+from megafp8.data.tokenizer.flags import (  # noqa: E402
+    add_tokenizer_args,
+    tokenizer_from_spec,
+    tokenizer_spec,
+)
 
 _CHUNK = 1 << 24  # tokens per histogram pass
 
@@ -32,10 +36,10 @@ def token_histogram(ds: IndexedDataset) -> np.ndarray:
         raise ValueError(f"token histogram needs integer tokens, not {data.dtype}")
     counts = np.zeros(0, np.int64)
     for lo in range(0, len(data), _CHUNK):
-        c = np.bincount(data[lo:lo + _CHUNK].astype(np.int64))
+        c = np.bincount(data[lo : lo + _CHUNK].astype(np.int64))
         if len(c) > len(counts):
             counts = np.pad(counts, (0, len(c) - len(counts)))
-        counts[:len(c)] += c
+        counts[: len(c)] += c
     return counts
 
 
@@ -45,28 +49,41 @@ def describe(ds: IndexedDataset, top: int = 10) -> dict:
     hist = token_histogram(ds)
     order = np.argsort(-hist, kind="stable")[:top]
     stats = {
-        "prefix": ds.prefix, "dtype": ds.dtype.name, "sequences": len(ds),
-        "documents": ds.num_documents, "empty_documents": int((per_doc == 0).sum()),
-        "tokens": ds.num_tokens, "distinct_tokens": int((hist > 0).sum()),
+        "prefix": ds.prefix,
+        "dtype": ds.dtype.name,
+        "sequences": len(ds),
+        "documents": ds.num_documents,
+        "empty_documents": int((per_doc == 0).sum()),
+        "tokens": ds.num_tokens,
+        "distinct_tokens": int((hist > 0).sum()),
         "max_token_id": int(len(hist) - 1) if len(hist) else None,
         "top_tokens": [[int(t), int(hist[t])] for t in order if hist[t]],
     }
     if len(lengths):
         q = np.percentile(lengths, [50, 90, 99])
-        stats["sequence_length"] = {"min": int(lengths.min()), "mean": float(lengths.mean()),
-                                    "p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]),
-                                    "max": int(lengths.max())}
+        stats["sequence_length"] = {
+            "min": int(lengths.min()),
+            "mean": float(lengths.mean()),
+            "p50": float(q[0]),
+            "p90": float(q[1]),
+            "p99": float(q[2]),
+            "max": int(lengths.max()),
+        }
     return stats
 
 
 def print_text(stats: dict, samples: list[tuple[int, str]]) -> None:
     print(f"{stats['prefix']}: {stats['dtype']} tokens")
-    print(f"  sequences {stats['sequences']:,}, documents {stats['documents']:,} "
-          f"({stats['empty_documents']:,} empty), tokens {stats['tokens']:,}")
+    print(
+        f"  sequences {stats['sequences']:,}, documents {stats['documents']:,} "
+        f"({stats['empty_documents']:,} empty), tokens {stats['tokens']:,}"
+    )
     if "sequence_length" in stats:
         s = stats["sequence_length"]
-        print(f"  sequence length: min {s['min']}, mean {s['mean']:.1f}, p50 {s['p50']:.0f}, "
-              f"p90 {s['p90']:.0f}, p99 {s['p99']:.0f}, max {s['max']}")
+        print(
+            f"  sequence length: min {s['min']}, mean {s['mean']:.1f}, p50 {s['p50']:.0f}, "
+            f"p90 {s['p90']:.0f}, p99 {s['p99']:.0f}, max {s['max']}"
+        )
     print(f"  distinct token ids {stats['distinct_tokens']:,}, largest id {stats['max_token_id']}")
     print("  most frequent: " + ", ".join(f"{t} x{c:,}" for t, c in stats["top_tokens"]))
     for i, text in samples:
@@ -79,9 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", type=int, default=0, help="decode this many sequences")
     p.add_argument("--seed", type=int, default=0, help="which sequences to decode (random)")
     p.add_argument("--top", type=int, default=10, help="most frequent tokens to list")
-    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer (Megatron's V)")
+    add_tokenizer_args(p.add_argument_group("tokenizer (the flags given to preprocess_data.py)"))
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     prefix = a.prefix[:-4] if a.prefix.endswith((".bin", ".idx")) else a.prefix
@@ -90,10 +105,10 @@ def main(argv=None) -> int:
         stats = describe(ds, a.top)
         samples = []
         if a.decode and len(ds):
-            vocab = None if a.vocab_size is None else a.vocab_size + 1
-            if a.tokenizer_model is None and vocab is None:
-                vocab = int(stats["max_token_id"] or 0) + 2  # ids shown as numbers
-            tok = make_tokenizer(a.tokenizer_type, a.tokenizer_model, vocab)
+            spec = tokenizer_spec(a)
+            if a.tokenizer_model is None and a.vocab_file is None and spec["vocab_size"] is None:
+                spec["vocab_size"] = int(stats["max_token_id"] or 0) + 2  # ids shown as numbers
+            tok = tokenizer_from_spec(spec)
             pick = np.random.default_rng(a.seed).choice(len(ds), min(a.decode, len(ds)), False)
             samples = [(int(i), tok.detokenize(ds[int(i)].tolist())) for i in sorted(pick)]
     except (ValueError, IndexFormatError, OSError) as exc:

@@ -19,13 +19,18 @@ TOOLS = os.path.join(ROOT, "data_tools")
 
 
 def tool(name, *args):
-    return subprocess.run([sys.executable, os.path.join(TOOLS, f"{name}.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(TOOLS, f"{name}.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def test_demo_corpus_is_deterministic_and_python_only(tmp_path):
-    spec = importlib.util.spec_from_file_location("bdc", os.path.join(TOOLS,
-                                                                      "build_demo_corpus.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bdc", os.path.join(TOOLS, "build_demo_corpus.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
@@ -54,8 +59,14 @@ def test_merge_concatenates_in_order(tmp_path):
     assert [m[i].tolist() for i in range(len(m))] == [[7, 7, 7], [1, 2], [3]]
     assert m.document_indices.tolist() == [0, 1, 2, 2, 3]
     _small(tmp_path / "wide", [[1]], np.int32)
-    r = tool("merge_datasets", "--input", tmp_path / "m", tmp_path / "wide", "--output-prefix",
-             tmp_path / "bad")
+    r = tool(
+        "merge_datasets",
+        "--input",
+        tmp_path / "m",
+        tmp_path / "wide",
+        "--output-prefix",
+        tmp_path / "bad",
+    )
     assert r.returncode == 1 and "different token dtypes" in r.stderr
     assert not list(tmp_path.glob("bad*"))
 
@@ -76,14 +87,28 @@ def test_inspect_reports_counts_histogram_and_samples(tmp_path):
 
 @pytest.mark.slow
 def test_demo_up_to_preprocessing_and_skips_done_steps(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(TOOLS, "demo.py"), "--out", tmp_path,
-                        "--skip-train", "--vocab-size", "1024"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(TOOLS, "demo.py"),
+            "--out",
+            tmp_path,
+            "--skip-train",
+            "--vocab-size",
+            "1024",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     ds = IndexedDataset(str(tmp_path / "data" / "demo_text_document"))
     assert ds.num_documents > 1000 and ds.num_tokens > 100_000
     assert json.loads((tmp_path / "tokenizer.json").read_text())["vocab_size"] == 1024
-    again = subprocess.run([sys.executable, os.path.join(TOOLS, "demo.py"), "--out", tmp_path,
-                            "--skip-train"], capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "demo.py"), "--out", tmp_path, "--skip-train"],
+        capture_output=True,
+        text=True,
+    )
     assert again.stdout.count("already complete, skipped") == 3
 
 
@@ -109,3 +134,29 @@ def test_index_built_once_per_node(tmp_path, local_ranks):
     else:  # two nodes sharing the cache: each builds unless the other's complete set is there
         assert "ndarray" in (kind0, kind1)
     assert len(list(tmp_path.glob("*.npy"))) == 3 and not list(tmp_path.glob("*tmp*"))
+
+
+def test_inspect_decodes_with_the_preprocessing_tokenizer_flags(tmp_path):
+    """inspect_dataset takes the same tokenizer flags as preprocess_data.py (GPT-2 BPE here)."""
+    pytest.importorskip("tokenizers")
+    from megafp8.data.tokenizer import make_tokenizer
+    from tests.unit.tiny_tokenizers import write_gpt2_files
+
+    vocab, merges = write_gpt2_files(str(tmp_path))
+    tok = make_tokenizer("GPT2BPETokenizer", None, None, vocab_file=vocab, merge_file=merges)
+    _small(tmp_path / "d", [tok.tokenize("hello world")])
+    r = tool(
+        "inspect_dataset",
+        tmp_path / "d",
+        "--json",
+        "--decode",
+        1,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["samples"][0]["text"] == "hello world"
