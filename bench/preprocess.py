@@ -38,8 +38,12 @@ def make_corpus(path: str, size_mb: int, seed: int = 0) -> None:
 
     base = path + ".base.jsonl"
     build_demo_corpus.build(base)
-    paragraphs = [p for line in open(base, encoding="utf-8")
-                  for p in json.loads(line)["text"].split("\n\n") if p.strip()]
+    paragraphs = [
+        p
+        for line in open(base, encoding="utf-8")
+        for p in json.loads(line)["text"].split("\n\n")
+        if p.strip()
+    ]
     rng, written, tmp = random.Random(seed), 0, path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         while written < size_mb * 1e6:
@@ -53,10 +57,24 @@ def make_corpus(path: str, size_mb: int, seed: int = 0) -> None:
 
 def make_tokenizer_model(corpus: str, prefix: str, vocab: int) -> str:
     if not os.path.isfile(prefix + ".model"):
-        subprocess.run([sys.executable, os.path.join(TOOLS, "train_tokenizer.py"), "--input",
-                        corpus, "--output-prefix", prefix, "--vocab-size", str(vocab),
-                        "--model-type", "bpe", "--byte-fallback", "--max-sentences", "300000"],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(TOOLS, "train_tokenizer.py"),
+                "--input",
+                corpus,
+                "--output-prefix",
+                prefix,
+                "--vocab-size",
+                str(vocab),
+                "--model-type",
+                "bpe",
+                "--byte-fallback",
+                "--max-sentences",
+                "300000",
+            ],
+            check=True,
+        )
     return prefix + ".model"
 
 
@@ -76,8 +94,12 @@ def raw_encode_rate(corpus: str, model: str, block_bytes: int = 1 << 20) -> dict
     t0 = time.perf_counter()
     tokens = sum(len(ids) for b in batches for ids in sp.Encode(b, out_type=int, num_threads=1))
     dt = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-            "mb_per_s": os.path.getsize(corpus) / dt / 1e6}
+    return {
+        "tokens": tokens,
+        "seconds": dt,
+        "tokens_per_s": tokens / dt,
+        "mb_per_s": os.path.getsize(corpus) / dt / 1e6,
+    }
 
 
 def _tree_rss(root: int) -> int:
@@ -87,8 +109,10 @@ def _tree_rss(root: int) -> int:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            parent[int(pid)], rss[int(pid)] = int(fields[1]), int(fields[21]) * os.sysconf(
-                "SC_PAGE_SIZE")
+            parent[int(pid)], rss[int(pid)] = (
+                int(fields[1]),
+                int(fields[21]) * os.sysconf("SC_PAGE_SIZE"),
+            )
         except (OSError, IndexError, ValueError):
             continue
     tree, frontier = {root}, [root]
@@ -100,9 +124,21 @@ def _tree_rss(root: int) -> int:
 
 
 def run_preprocess(corpus: str, model: str, out: str, workers: int) -> dict:
-    cmd = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", out, "--tokenizer-type", "SentencePieceTokenizer",
-           "--tokenizer-model", model, "--append-eod", "--workers", str(workers)]
+    cmd = [
+        sys.executable,
+        os.path.join(TOOLS, "preprocess_data.py"),
+        "--input",
+        corpus,
+        "--output-prefix",
+        out,
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        model,
+        "--append-eod",
+        "--workers",
+        str(workers),
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     peak, done = [0], threading.Event()
@@ -122,9 +158,15 @@ def run_preprocess(corpus: str, model: str, out: str, workers: int) -> dict:
         raise SystemExit(f"preprocess failed:\n{err}")
     line = next(x for x in err.splitlines() if x.startswith("done:"))
     docs, tokens = (int(x.replace(",", "")) for x in (line.split()[1], line.split()[3]))
-    return {"workers": workers, "seconds": dt, "docs_per_s": docs / dt, "tokens": tokens,
-            "tokens_per_s": tokens / dt, "mb_per_s": os.path.getsize(corpus) / dt / 1e6,
-            "peak_rss_mb": peak[0] / 2**20}
+    return {
+        "workers": workers,
+        "seconds": dt,
+        "docs_per_s": docs / dt,
+        "tokens": tokens,
+        "tokens_per_s": tokens / dt,
+        "mb_per_s": os.path.getsize(corpus) / dt / 1e6,
+        "peak_rss_mb": peak[0] / 2**20,
+    }
 
 
 def main(argv=None) -> int:
@@ -137,25 +179,40 @@ def main(argv=None) -> int:
     os.makedirs(a.workdir, exist_ok=True)
     corpus = os.path.join(a.workdir, f"bench_{a.size_mb}mb.jsonl")
     make_corpus(corpus, a.size_mb)
-    model = make_tokenizer_model(corpus, os.path.join(a.workdir, f"bpe{a.vocab_size}"),
-                                 a.vocab_size)
+    model = make_tokenizer_model(
+        corpus, os.path.join(a.workdir, f"bpe{a.vocab_size}"), a.vocab_size
+    )
     raw = raw_encode_rate(corpus, model)
-    rows = [run_preprocess(corpus, model, os.path.join(a.workdir, f"out_w{w}"), w)
-            for w in a.workers]
-    same = len({open(os.path.join(a.workdir, f"out_w{w}_text_document.bin"), "rb").read()
-                for w in a.workers}) == 1
-    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs; input {os.path.getsize(corpus) / 1e6:.1f} MB, "
-          f"{raw['tokens']:,} tokens, BPE {a.vocab_size}; outputs identical across workers: {same}")
+    rows = [
+        run_preprocess(corpus, model, os.path.join(a.workdir, f"out_w{w}"), w) for w in a.workers
+    ]
+    same = (
+        len(
+            {
+                open(os.path.join(a.workdir, f"out_w{w}_text_document.bin"), "rb").read()
+                for w in a.workers
+            }
+        )
+        == 1
+    )
+    print(
+        f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs; input {os.path.getsize(corpus) / 1e6:.1f} MB, "
+        f"{raw['tokens']:,} tokens, BPE {a.vocab_size}; outputs identical across workers: {same}"
+    )
     print(f"raw encode (1 thread): {raw['tokens_per_s']:,.0f} tokens/s, {raw['mb_per_s']:.2f} MB/s")
-    print("| workers | wall s | docs/s | tokens/s | MB/s | tokens/s per worker vs raw | "
-          "peak RSS (tree) |")
+    print(
+        "| workers | wall s | docs/s | tokens/s | MB/s | tokens/s per worker vs raw | "
+        "peak RSS (tree) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["tokens_per_s"] / r["workers"] / raw["tokens_per_s"]
-        print(f"| {r['workers']} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
-              f"{r['tokens_per_s']:,.0f} | {r['mb_per_s']:.2f} | {ratio:.0%} | "
-              f"{r['peak_rss_mb']:.0f} MiB |")
+        print(
+            f"| {r['workers']} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['mb_per_s']:.2f} | {ratio:.0%} | "
+            f"{r['peak_rss_mb']:.0f} MiB |"
+        )
     return 0
 
 

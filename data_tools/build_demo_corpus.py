@@ -20,8 +20,18 @@ import os
 import sys
 import sysconfig
 
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-             "turtledemo", "lib2to3", "ensurepip", "venv"}
+SKIP_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "venv",
+}
 
 
 def pydoc_topics():

@@ -22,14 +22,42 @@ TOOLS = os.path.join(ROOT, "data_tools")
 
 def model_flags(a) -> list[str]:
     """The tiny model and schedule: 2 layers, hidden 128, 4 heads, seq 128, FP8 hybrid GEMMs."""
-    return ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-            "--seq-length", "128", "--max-position-embeddings", "128",
-            "--micro-batch-size", "8", "--global-batch-size", "16",
-            "--train-iters", str(a.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
-            "--lr-warmup-iters", "10", "--lr-decay-style", "cosine",
-            "--fp8-format", "hybrid", "--log-interval", "10",
-            "--eval-interval", str(max(1, a.train_iters // 2)), "--eval-iters", "2",
-            "--seed", "1234"]
+    return [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "128",
+        "--max-position-embeddings",
+        "128",
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "16",
+        "--train-iters",
+        str(a.train_iters),
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-warmup-iters",
+        "10",
+        "--lr-decay-style",
+        "cosine",
+        "--fp8-format",
+        "hybrid",
+        "--log-interval",
+        "10",
+        "--eval-interval",
+        str(max(1, a.train_iters // 2)),
+        "--eval-iters",
+        "2",
+        "--seed",
+        "1234",
+    ]
 
 
 def step(name: str, done: bool, cmd: list[str]) -> None:
@@ -58,29 +86,83 @@ def main(argv=None) -> int:
     doc = data + "_text_document"
     py = sys.executable
     os.makedirs(out, exist_ok=True)
-    step("corpus", os.path.isfile(corpus),
-         [py, os.path.join(TOOLS, "build_demo_corpus.py"), "--out", corpus])
-    step("tokenizer", os.path.isfile(tok + ".model") and os.path.isfile(tok + ".json"),
-         [py, os.path.join(TOOLS, "train_tokenizer.py"), "--input", corpus,
-          "--output-prefix", tok, "--vocab-size", str(a.vocab_size), "--model-type", "bpe",
-          "--byte-fallback", "--max-sentences", "300000"])
-    step("preprocess", os.path.isfile(doc + ".bin") and os.path.isfile(doc + ".idx"),
-         [py, os.path.join(TOOLS, "preprocess_data.py"), "--input", corpus,
-          "--output-prefix", data, "--tokenizer-type", "SentencePieceTokenizer",
-          "--tokenizer-model", tok + ".model", "--append-eod", "--workers", str(a.workers)])
+    step(
+        "corpus",
+        os.path.isfile(corpus),
+        [py, os.path.join(TOOLS, "build_demo_corpus.py"), "--out", corpus],
+    )
+    step(
+        "tokenizer",
+        os.path.isfile(tok + ".model") and os.path.isfile(tok + ".json"),
+        [
+            py,
+            os.path.join(TOOLS, "train_tokenizer.py"),
+            "--input",
+            corpus,
+            "--output-prefix",
+            tok,
+            "--vocab-size",
+            str(a.vocab_size),
+            "--model-type",
+            "bpe",
+            "--byte-fallback",
+            "--max-sentences",
+            "300000",
+        ],
+    )
+    step(
+        "preprocess",
+        os.path.isfile(doc + ".bin") and os.path.isfile(doc + ".idx"),
+        [
+            py,
+            os.path.join(TOOLS, "preprocess_data.py"),
+            "--input",
+            corpus,
+            "--output-prefix",
+            data,
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            tok + ".model",
+            "--append-eod",
+            "--workers",
+            str(a.workers),
+        ],
+    )
     if a.skip_train:
         return 0
     save = os.path.join(out, "checkpoints")
     pretrain = os.path.join(ROOT, "pretrain_gpt.py")
     if not os.path.isfile(pretrain):
         raise SystemExit(f"[demo] {pretrain} is missing; cannot train")
-    step("train", os.path.isfile(os.path.join(save, "latest")),
-         [py, pretrain, *model_flags(a), "--data-path", doc, "--split", "969,30,1",
-          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok + ".model",
-          "--save", save, "--save-interval", str(a.train_iters),
-          "--tensorboard-dir", os.path.join(out, "tensorboard")])
-    print(f"[demo] done: checkpoint in {save}, TensorBoard logs in {out}/tensorboard "
-          f"(tensorboard --logdir {out}/tensorboard)", flush=True)
+    step(
+        "train",
+        os.path.isfile(os.path.join(save, "latest")),
+        [
+            py,
+            pretrain,
+            *model_flags(a),
+            "--data-path",
+            doc,
+            "--split",
+            "969,30,1",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            tok + ".model",
+            "--save",
+            save,
+            "--save-interval",
+            str(a.train_iters),
+            "--tensorboard-dir",
+            os.path.join(out, "tensorboard"),
+        ],
+    )
+    print(
+        f"[demo] done: checkpoint in {save}, TensorBoard logs in {out}/tensorboard "
+        f"(tensorboard --logdir {out}/tensorboard)",
+        flush=True,
+    )
     return 0
 
 

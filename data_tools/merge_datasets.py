@@ -32,8 +32,9 @@ def input_prefixes(specs: list[str]) -> list[str]:
     prefixes = []
     for spec in specs:
         if os.path.isdir(spec):
-            found = sorted(os.path.join(spec, f[:-4]) for f in os.listdir(spec)
-                           if f.endswith(".idx"))
+            found = sorted(
+                os.path.join(spec, f[:-4]) for f in os.listdir(spec) if f.endswith(".idx")
+            )
             if not found:
                 raise ValueError(f"{spec}: no .idx file in this directory")
             prefixes.extend(found)
@@ -75,9 +76,11 @@ def main(argv=None) -> int:
     except (ValueError, IndexFormatError, OSError) as exc:
         print(f"error: {exc}\nno output written", file=sys.stderr)
         return 1
-    print(f"merged {len(prefixes)} dataset(s) into {args.output_prefix}: {len(merged):,} "
-          f"sequences, {merged.num_documents:,} documents, {merged.num_tokens:,} tokens",
-          file=sys.stderr)
+    print(
+        f"merged {len(prefixes)} dataset(s) into {args.output_prefix}: {len(merged):,} "
+        f"sequences, {merged.num_documents:,} documents, {merged.num_tokens:,} tokens",
+        file=sys.stderr,
+    )
     return 0
 
 

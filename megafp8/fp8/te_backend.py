@@ -170,9 +170,9 @@ class TEBackend(Backend):
     def autocast(self):
         if not self.fp8:
             return contextlib.nullcontext()
-        return self.te.autocast(
-            enabled=True, recipe=self.te_recipe, amax_reduction_group=self.amax_group
-        )
+        # TE takes None for "this process alone" and calls torch.distributed on any other value
+        group = self.amax_group if M.world(self.amax_group) > 1 else None
+        return self.te.autocast(enabled=True, recipe=self.te_recipe, amax_reduction_group=group)
 
 
 class TELinear(nn.Module):

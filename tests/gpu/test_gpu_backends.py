@@ -1,5 +1,8 @@
 """GPU-only checks (``-m gpu``), run on the GPU machine, never in CI."""
 
+import functools
+import os
+
 import pytest
 import torch
 
@@ -9,8 +12,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 def test_scaled_mm_matches_emulation_on_gpu():
-    from megafp8.fp8.backends import fp8_gemm
     from megafp8.fp8.recipe import E4M3, E5M2
+    from megafp8.fp8.torch_backend import fp8_gemm
 
     torch.manual_seed(0)
     a = torch.randn(256, 512, device="cuda").to(E4M3)
@@ -34,11 +37,12 @@ def _te():
 def test_te_linear_fp8_error_bounds(recipe):
     _te()
     from megafp8.config import Fp8Config
-    from megafp8.fp8.backends import build_backend
+    from megafp8.fp8.backend import build_backend
+    from megafp8.parallel.mappings import SOLO
 
     f = Fp8Config(fp8_format="hybrid", fp8_recipe=recipe, fp8_backend="te", fp8_amax_history_len=4)
-    be = build_backend(f)
-    lin = be.make_linear(256, 128, False, name="l", dtype=torch.bfloat16, device="cuda")
+    be = build_backend(f, amax_group=SOLO, tp_group=SOLO)
+    lin = be.make_linear(256, 128, False, name="l", group=SOLO, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         lin.weight.normal_(0, 0.02)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
@@ -50,16 +54,50 @@ def test_te_linear_fp8_error_bounds(recipe):
     assert 1e-4 < rel < 0.06
 
 
+def _fp8_gemms(model, backend):
+    """The model's GEMM modules that run in FP8 (TE modules with FP8 on, or our Fp8Linear)."""
+    if backend == "te":
+        from megafp8.fp8.te_backend import TELinear
+
+        return [m for m in model.modules() if isinstance(m, TELinear) and m.fp8]
+    from megafp8.fp8.torch_backend import Fp8Linear
+
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def _loss_without_fp8(model, backend, gemms, batch):
+    """The same weights and batch with every FP8 GEMM switched to its bf16 path."""
+    from megafp8.fp8.backend import PlainLinear
+
+    for m in gemms:
+        if backend == "te":
+            m.fp8 = False  # TELinear then runs under te.autocast(enabled=False)
+        else:
+            m.forward = functools.partial(PlainLinear.forward, m)  # torch's bf16 GEMM
+    try:
+        with torch.no_grad():
+            return float(model(*batch))
+    finally:
+        for m in gemms:
+            if backend == "te":
+                m.fp8 = True
+            else:
+                del m.forward
+
+
 @cuda
 @pytest.mark.parametrize("backend", ["te", "torch"])
 def test_tiny_gpt_trains_in_fp8_on_gpu(backend):
+    """A tiny GPT learns with FP8 GEMMs, and FP8 really ran (it cannot pass with FP8 silently
+    off): the backend is an FP8 one, all 4 GEMMs of every block (qkv, proj, fc1, fc2) are FP8
+    modules, after training each holds non-zero amaxes of its input, weight and output gradient
+    in its delayed-scaling history and a scale moved off its initial 1, and the trained model's
+    loss on a batch changes when the same weights run their GEMMs in bf16 instead."""
     if backend == "te":
         _te()
-    import os
-
     os.environ.setdefault("MASTER_PORT", "29533")
     from megafp8.config import Config
-    from megafp8.train import train
+    from megafp8.train import build_run, init_distributed, train
 
     cfg = Config().replace(
         model=dict(
@@ -71,8 +109,37 @@ def test_tiny_gpt_trains_in_fp8_on_gpu(backend):
         data=dict(mock_data=True),
         logging=dict(log_interval=10),
     )
-    losses = [r["lm loss"] for r in train(cfg)]
+    groups, device = init_distributed(cfg)
+    run = build_run(cfg, groups, device)
+    assert run.backend.name == backend and run.backend.fp8
+    gemms = _fp8_gemms(run.model, backend)
+    assert len(gemms) == 4 * cfg.model.num_layers
+    losses = [r["lm loss"] for r in train(cfg, run)]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+
+    if backend == "te":  # TE's DelayedScaling state: forward [input, weight, output] per GEMM,
+        for m in gemms:  # backward [grad output, grad input]; amax_history is [len, tensors]
+            fwd, bwd = m.inner.fp8_meta["scaling_fwd"], m.inner.fp8_meta["scaling_bwd"]
+            assert (fwd.amax_history.amax(0)[:2] > 0).all() and (fwd.scale[:2] != 1).all()
+            assert bwd.amax_history.amax(0)[0] > 0 and bwd.scale[0] != 1
+    else:  # our recipe: one ScalingMeta per (GEMM, role x / w / g)
+        metas = run.backend.state.metas
+        assert len(metas) == 3 * len(gemms)
+        for key, meta in metas.items():
+            assert meta.amax_history.max() > 0 and meta.scale != 1, key
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, 512, (8, 129), generator=g).to(device)
+    batch = (tokens[:, :-1], tokens[:, 1:], torch.ones(8, 128, device=device))
+    run.model.eval()
+    run.backend.microbatch(None)
+    with torch.no_grad(), run.backend.autocast():
+        fp8_loss = float(run.model(*batch))
+    with run.backend.autocast():
+        bf16_loss = _loss_without_fp8(run.model, backend, gemms, batch)
+    # FP8 quantization moves the loss, but only by its noise (a few percent at most)
+    assert fp8_loss != bf16_loss
+    assert abs(fp8_loss - bf16_loss) < 0.05 * bf16_loss
 
 
 @cuda
@@ -81,11 +148,12 @@ def test_te_weight_cache_reuses_the_cast_within_an_iteration():
     (so an in-place change of the weight is not seen until the next iteration); None recasts."""
     _te()
     from megafp8.config import Fp8Config
-    from megafp8.fp8.backends import build_backend
+    from megafp8.fp8.backend import build_backend
+    from megafp8.parallel.mappings import SOLO
 
     f = Fp8Config(fp8_format="hybrid", fp8_backend="te", fp8_amax_history_len=4)
-    be = build_backend(f)
-    lin = be.make_linear(256, 128, False, name="l", dtype=torch.bfloat16, device="cuda")
+    be = build_backend(f, amax_group=SOLO, tp_group=SOLO)
+    lin = be.make_linear(256, 128, False, name="l", group=SOLO, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         lin.weight.normal_(0, 0.02)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)

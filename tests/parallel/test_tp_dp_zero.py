@@ -47,5 +47,6 @@ def test_grad_norm_counts_replicated_kv_rows_once():
     cfg = cfg.replace(train=dict(global_batch_size=2))  # tp=4 on 4 ranks: dp=1
     ref = run_distributed(_norms, 1, cfg)[0]
     got = run_distributed(_norms, 4, cfg.replace(parallel=dict(tensor_model_parallel_size=4)))[0]
-    for (l1, n1), (l2, n2) in zip(ref, got):
+    assert len(ref) == 3
+    for (l1, n1), (l2, n2) in zip(ref, got, strict=True):
         assert n2 == pytest.approx(n1, rel=1e-5) and l2 == pytest.approx(l1, rel=2e-5)

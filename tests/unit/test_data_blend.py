@@ -40,8 +40,12 @@ def test_split_ranges_match_megatron(num, split):
 def test_parse_errors():
     assert parse_data_path(("A",)) == [(1.0, "A")]
     assert parse_data_path(("3", "A", "1", "B")) == [(0.75, "A"), (0.25, "B")]
-    for bad, msg in [(("0.5", "A", "B"), "pairs"), (("x", "A"), "not a number"),
-                     (("-1", "A", "1", "B"), "negative"), (("0", "A", "0", "B"), "sum to zero")]:
+    for bad, msg in [
+        (("0.5", "A", "B"), "pairs"),
+        (("x", "A"), "not a number"),
+        (("-1", "A", "1", "B"), "negative"),
+        (("0", "A", "0", "B"), "sum to zero"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             parse_data_path(bad)
     with pytest.raises(ValueError):
@@ -96,11 +100,20 @@ def blend_cfg(tmp_path, **train):
     if not os.path.exists(a + ".idx"):
         write_dataset(a, 0, 400, 1)
         write_dataset(b, 1000, 300, 2)
-    t = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 25, "eval_interval": 10,
-         "eval_iters": 2, "seed": 3}
+    t = {
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "train_iters": 25,
+        "eval_interval": 10,
+        "eval_iters": 2,
+        "seed": 3,
+    }
     t.update(train)
-    return Config().replace(data={"data_path": ("0.7", a, "0.3", b), "split": "80,15,5"},
-                            model={"seq_length": 16, "vocab_size": 2000}, train=t)
+    return Config().replace(
+        data={"data_path": ("0.7", a, "0.3", b), "split": "80,15,5"},
+        model={"seq_length": 16, "vocab_size": 2000},
+        train=t,
+    )
 
 
 def test_blended_real_data_through_the_loader(tmp_path):
@@ -129,10 +142,12 @@ def test_blended_real_data_through_the_loader(tmp_path):
 def test_blended_resume_is_bit_identical(tmp_path):
     cfg = blend_cfg(tmp_path)
     full = [b["tokens"] for b in build_data_iterators(cfg, dp_rank=1, dp_size=2).train]
-    resumed = [b["tokens"] for b in build_data_iterators(cfg, dp_rank=1, dp_size=2,
-                                                         consumed_train_samples=80).train]
+    resumed = [
+        b["tokens"]
+        for b in build_data_iterators(cfg, dp_rank=1, dp_size=2, consumed_train_samples=80).train
+    ]
     assert len(full) == 50 and len(resumed) == 30
-    assert all(torch.equal(x, y) for x, y in zip(full[20:], resumed))
+    assert all(torch.equal(x, y) for x, y in zip(full[20:], resumed, strict=True))
 
 
 def test_data_cache_path_is_used(tmp_path):

@@ -49,7 +49,7 @@ def test_sample_index_matches_naive(seed, seq_length):
 
 def naive_window(sizes, doc_index, seq_length, i):
     stream = [t for d in doc_index for t in range(sizes[d])]
-    return stream[i * seq_length: i * seq_length + seq_length + 1]
+    return stream[i * seq_length : i * seq_length + seq_length + 1]
 
 
 def test_sample_index_positions_are_token_windows():
@@ -94,7 +94,7 @@ def test_gpt_dataset_samples_follow_the_document_stream(tmp_path):
     stream = np.concatenate([low.get(int(d)) for d in ds.document_index])
     for i in range(len(ds)):
         j = int(ds.shuffle_index[i])
-        np.testing.assert_array_equal(ds[i], stream[j * 16: j * 16 + 17])
+        np.testing.assert_array_equal(ds[i], stream[j * 16 : j * 16 + 17])
     # A second build is a cache hit (memory-mapped) with identical indices.
     again = GPTDataset(low, np.arange(50), 16, 300, seed=5, cache_dir=str(tmp_path))
     assert isinstance(again.sample_index, np.memmap)

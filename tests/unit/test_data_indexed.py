@@ -15,18 +15,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Written by hand from the format: uint16 tokens, 3 sequences [1 2 3] [4] [5 6] in 2 documents
 # (sequences 0-1, then 2).
 GOLDEN_IDX = (
-    b"MMIDIDX\x00\x00"                      # magic
-    b"\x01\x00\x00\x00\x00\x00\x00\x00"      # version 1
-    b"\x08"                                  # dtype code 8 = uint16
-    b"\x03\x00\x00\x00\x00\x00\x00\x00"      # N = 3 sequences
-    b"\x03\x00\x00\x00\x00\x00\x00\x00"      # M = 3 document-index entries
-    b"\x03\x00\x00\x00" b"\x01\x00\x00\x00" b"\x02\x00\x00\x00"  # lengths int32
-    b"\x00\x00\x00\x00\x00\x00\x00\x00"      # pointers int64: 0
-    b"\x06\x00\x00\x00\x00\x00\x00\x00"      # 6 = 3 tokens x 2 bytes
-    b"\x08\x00\x00\x00\x00\x00\x00\x00"      # 8
-    b"\x00\x00\x00\x00\x00\x00\x00\x00"      # document index int64: 0
-    b"\x02\x00\x00\x00\x00\x00\x00\x00"      # 2
-    b"\x03\x00\x00\x00\x00\x00\x00\x00"      # 3
+    b"MMIDIDX\x00\x00"  # magic
+    b"\x01\x00\x00\x00\x00\x00\x00\x00"  # version 1
+    b"\x08"  # dtype code 8 = uint16
+    b"\x03\x00\x00\x00\x00\x00\x00\x00"  # N = 3 sequences
+    b"\x03\x00\x00\x00\x00\x00\x00\x00"  # M = 3 document-index entries
+    b"\x03\x00\x00\x00"
+    b"\x01\x00\x00\x00"
+    b"\x02\x00\x00\x00"  # lengths int32
+    b"\x00\x00\x00\x00\x00\x00\x00\x00"  # pointers int64: 0
+    b"\x06\x00\x00\x00\x00\x00\x00\x00"  # 6 = 3 tokens x 2 bytes
+    b"\x08\x00\x00\x00\x00\x00\x00\x00"  # 8
+    b"\x00\x00\x00\x00\x00\x00\x00\x00"  # document index int64: 0
+    b"\x02\x00\x00\x00\x00\x00\x00\x00"  # 2
+    b"\x03\x00\x00\x00\x00\x00\x00\x00"  # 3
 )
 GOLDEN_BIN = b"\x01\x00\x02\x00\x03\x00\x04\x00\x05\x00\x06\x00"
 
@@ -90,21 +92,28 @@ def _corrupt(tmp_path, name, idx=None, bin_=None):
     return str(tmp_path / name)
 
 
-@pytest.mark.parametrize("name,idx,bin_,match", [
-    ("legacy", b"TNTIDX\x00\x00" + GOLDEN_IDX[8:], None, "legacy Megatron 'TNTIDX'"),
-    ("foreign", b"PK\x03\x04" + GOLDEN_IDX[4:], None, "not a Megatron MMIDIDX"),
-    ("short_header", GOLDEN_IDX[:20], None, "truncated header"),
-    ("truncated", GOLDEN_IDX[:-5], None, "truncated"),
-    ("trailing", GOLDEN_IDX + b"\x00", None, "trailing bytes"),
-    ("version", GOLDEN_IDX[:9] + b"\x02" + GOLDEN_IDX[10:], None, "version 2"),
-    ("dtype", GOLDEN_IDX[:17] + b"\x09" + GOLDEN_IDX[18:], None, "unknown dtype code 9"),
-    ("pointer", GOLDEN_IDX[:54] + b"\x07" + GOLDEN_IDX[55:], None, "pointer of sequence 1"),
-    ("negative", GOLDEN_IDX[:34] + b"\xff\xff\xff\xff" + GOLDEN_IDX[38:], None, "negative"),
-    ("docs_end", GOLDEN_IDX[:-8] + b"\x02" + b"\x00" * 7, None, "run from 0 to N=3"),
-    ("docs_order", GOLDEN_IDX[:-16] + b"\x05" + b"\x00" * 7 + GOLDEN_IDX[-8:], None,
-     "decreases"),
-    ("bin_short", None, GOLDEN_BIN[:-2], "describes 12"),
-])
+@pytest.mark.parametrize(
+    "name,idx,bin_,match",
+    [
+        ("legacy", b"TNTIDX\x00\x00" + GOLDEN_IDX[8:], None, "legacy Megatron 'TNTIDX'"),
+        ("foreign", b"PK\x03\x04" + GOLDEN_IDX[4:], None, "not a Megatron MMIDIDX"),
+        ("short_header", GOLDEN_IDX[:20], None, "truncated header"),
+        ("truncated", GOLDEN_IDX[:-5], None, "truncated"),
+        ("trailing", GOLDEN_IDX + b"\x00", None, "trailing bytes"),
+        ("version", GOLDEN_IDX[:9] + b"\x02" + GOLDEN_IDX[10:], None, "version 2"),
+        ("dtype", GOLDEN_IDX[:17] + b"\x09" + GOLDEN_IDX[18:], None, "unknown dtype code 9"),
+        ("pointer", GOLDEN_IDX[:54] + b"\x07" + GOLDEN_IDX[55:], None, "pointer of sequence 1"),
+        ("negative", GOLDEN_IDX[:34] + b"\xff\xff\xff\xff" + GOLDEN_IDX[38:], None, "negative"),
+        ("docs_end", GOLDEN_IDX[:-8] + b"\x02" + b"\x00" * 7, None, "run from 0 to N=3"),
+        (
+            "docs_order",
+            GOLDEN_IDX[:-16] + b"\x05" + b"\x00" * 7 + GOLDEN_IDX[-8:],
+            None,
+            "decreases",
+        ),
+        ("bin_short", None, GOLDEN_BIN[:-2], "describes 12"),
+    ],
+)
 def test_validation_errors(tmp_path, name, idx, bin_, match):
     prefix = _corrupt(tmp_path, name, idx, bin_)
     with pytest.raises(IndexFormatError, match=match) as e:
@@ -147,9 +156,19 @@ def test_int64_pointers_and_merge_past_4g_tokens(tmp_path, monkeypatch):
     _sparse_dataset(tmp_path / "b", [5] + big)
     a = IndexedDataset(str(tmp_path / "a"))
     assert a.sequence_pointers.tolist() == [0, 2 * (2**31 - 1), 4 * (2**31 - 1)]
-    rc = subprocess.run([sys.executable, os.path.join(ROOT, "data_tools", "merge_datasets.py"),
-                         "--input", str(tmp_path / "a"), str(tmp_path / "b"),
-                         "--output-prefix", str(tmp_path / "ab")], capture_output=True, text=True)
+    rc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "data_tools", "merge_datasets.py"),
+            "--input",
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "--output-prefix",
+            str(tmp_path / "ab"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert rc.returncode == 0, rc.stderr
     ab = IndexedDataset(str(tmp_path / "ab"))
     assert ab.num_tokens == 6 * (2**31 - 1) + 5 > 2**32

@@ -12,11 +12,18 @@ from megafp8.data.loader import rank_sample_ids, split_sample_counts
 
 
 def mock_cfg(**train):
-    t = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "eval_interval": 3,
-         "eval_iters": 2, "seed": 7}
+    t = {
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "train_iters": 6,
+        "eval_interval": 3,
+        "eval_iters": 2,
+        "seed": 7,
+    }
     t.update(train)
-    return Config().replace(data={"mock_data": True}, model={"vocab_size": 256, "seq_length": 32},
-                            train=t)
+    return Config().replace(
+        data={"mock_data": True}, model={"vocab_size": 256, "seq_length": 32}, train=t
+    )
 
 
 def test_null_tokenizer_for_mock_data():
@@ -41,7 +48,7 @@ def test_batch_layout_and_mock_content():
     assert full.max() < 256 and full.min() >= 1
     # Within a document the tokens count up by one; a new one starts at 1 after EOD (255).
     for row in full:
-        for a, c in zip(row[:-1], row[1:]):
+        for a, c in zip(row[:-1], row[1:], strict=True):
             assert c == a + 1 or (a == 255 and c == 1) or c == 255
 
 
@@ -81,9 +88,13 @@ def test_resume_gives_identical_batches(dp_rank):
     cfg = mock_cfg()
     full = _rows(build_data_iterators(cfg, dp_rank=dp_rank, dp_size=2).train, 12)
     consumed = 2 * 8  # two global batches
-    resumed = _rows(build_data_iterators(cfg, dp_rank=dp_rank, dp_size=2,
-                                         consumed_train_samples=consumed).train, 8)
-    assert all(torch.equal(a, b) for a, b in zip(full[4:], resumed))
+    resumed = _rows(
+        build_data_iterators(
+            cfg, dp_rank=dp_rank, dp_size=2, consumed_train_samples=consumed
+        ).train,
+        8,
+    )
+    assert all(torch.equal(a, b) for a, b in zip(full[4:], resumed, strict=True))
     assert len(resumed) == 8
     with pytest.raises(ValueError, match="multiple"):
         build_data_iterators(cfg, dp_rank=0, dp_size=2, consumed_train_samples=3)
@@ -92,7 +103,8 @@ def test_resume_gives_identical_batches(dp_rank):
 def test_valid_iterator_restarts_and_seed_changes_data():
     it = build_data_iterators(mock_cfg(), dp_rank=0, dp_size=1)
     a, b = _rows(it.valid_iterator(), 3), _rows(it.valid_iterator(), 3)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(a) == 3
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     other = build_data_iterators(mock_cfg(seed=8), dp_rank=0, dp_size=1)
     assert not torch.equal(_rows(other.train, 1)[0], _rows(it.train, 1)[0])
 
@@ -109,4 +121,5 @@ def test_num_workers_matches_in_process():
     a = _rows(build_data_iterators(cfg, dp_rank=1, dp_size=2).train, 3)
     cfg_w = cfg.replace(data={"mock_data": True, "num_workers": 1})
     b = _rows(build_data_iterators(cfg_w, dp_rank=1, dp_size=2).train, 3)
-    assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b))
+    assert len(a) == 3
+    assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b, strict=True))

@@ -52,6 +52,7 @@ def test_resume_gives_identical_losses(tmp_path, fp8):
     first = run_distributed(_losses, 1, _cfg(train=dict(train_iters=3, save=ck), **common))[0]
     assert open(os.path.join(ck, "latest")).read() == "iter_0000003"
     rest = run_distributed(_losses, 1, _cfg(train=dict(train_iters=6, load=ck), **common))[0]
+    assert len(full) == 6
     assert first == full[:3]
     assert rest == full[3:]  # bit-identical: data position, RNG, optimizer and FP8 state restored
 
@@ -60,7 +61,7 @@ def _crash_during_save(ck):
     from megafp8 import checkpoint
     from megafp8.train import build_run, init_distributed, save, train
 
-    cfg = _cfg(train=dict(train_iters=2, save=ck))
+    cfg = _cfg(train=dict(train_iters=2, save=ck), optim=dict(lr_decay_iters=3))
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
     train(cfg, run)  # saves iter 2 completely
@@ -80,17 +81,23 @@ def _crash_during_save(ck):
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
+    """A process killed between writing the shards and the rename leaves ``latest`` on the
+    previous checkpoint, and that checkpoint resumes to the loss an uninterrupted run has at the
+    same iteration (bit-identical: weights, optimizer, data position and RNG all restored)."""
     ck = str(tmp_path / "ck")
     tag, entries = run_distributed(_crash_during_save, 1, ck)[0]
     assert tag == "iter_0000002"
     assert "iter_0000004" not in entries  # never looks complete
-    # and the previous one loads
-    losses = run_distributed(_losses, 1, _cfg(train=dict(train_iters=3, load=ck)))[0]
-    assert len(losses) == 1
+    # the same lr schedule in every run (decay over 3 iterations, not over train_iters)
+    sched = dict(optim=dict(lr_decay_iters=3))
+    full = run_distributed(_losses, 1, _cfg(train=dict(train_iters=3), **sched))[0]
+    losses = run_distributed(_losses, 1, _cfg(train=dict(train_iters=3, load=ck), **sched))[0]
+    assert len(full) == 3
+    assert losses == full[2:]
 
 
 def _microbatch_calls(cfg):
-    from megafp8.fp8 import backends
+    from megafp8.fp8 import backend as backends
 
     seen = []
     orig = backends.Backend.microbatch

@@ -1,0 +1,120 @@
+"""megafp8.optim.zero: the DeepSpeed config dict, the weight-decay grouping, and the engine
+DeepSpeed builds from them (batch sizes, accumulation, ZeRO stage, clipping, AdamW settings)."""
+
+import pytest
+import torch
+from torch import nn
+
+from megafp8.optim.zero import deepspeed_config, param_groups
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import tiny_config
+
+ZERO2_EXTRA = {
+    "overlap_comm": False,
+    "contiguous_gradients": True,
+    "reduce_bucket_size": 50_000_000,
+    "allgather_bucket_size": 50_000_000,
+}
+ZERO3_EXTRA = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 50_000_000}
+
+
+def cfg_of(micro, gbs, stage, clip=1.0, bf16=False):
+    return tiny_config(
+        train=dict(micro_batch_size=micro, global_batch_size=gbs, bf16=bf16),
+        optim=dict(zero_stage=stage, clip_grad=clip),
+    )
+
+
+@pytest.mark.parametrize(
+    "micro, gbs, dp, stage, clip, bf16, gas, zero",
+    [
+        # gas = gbs / (micro * dp): 8 / (2 * 2) = 2
+        (2, 8, 2, 1, 1.0, False, 2, {"stage": 1}),
+        # 32 / (1 * 4) = 8; ZeRO 2 adds its bucket settings; bf16 on
+        (1, 32, 4, 2, 0.5, True, 8, {"stage": 2, **ZERO2_EXTRA}),
+        # 24 / (3 * 1) = 8; ZeRO 3 adds the stage-3 keys on top of stage 2's; clipping off
+        (3, 24, 1, 3, 0.0, False, 8, {"stage": 3, **ZERO2_EXTRA, **ZERO3_EXTRA}),
+        # ZeRO 0 (plain DDP-style data parallelism): 16 / (4 * 4) = 1
+        (4, 16, 4, 0, 1.0, False, 1, {"stage": 0}),
+    ],
+)
+def test_config_dict(micro, gbs, dp, stage, clip, bf16, gas, zero):
+    """Every key the engine reads, for four (micro, global batch, dp, stage) combinations."""
+    d = deepspeed_config(cfg_of(micro, gbs, stage, clip, bf16), dp)
+    assert d["train_batch_size"] == gbs
+    assert d["train_micro_batch_size_per_gpu"] == micro
+    assert d["gradient_accumulation_steps"] == gas
+    # DeepSpeed's own invariant: train_batch = micro * gas * dp
+    assert d["train_batch_size"] == micro * gas * dp
+    assert d["gradient_clipping"] == clip
+    assert d["zero_optimization"] == zero
+    assert d["bf16"] == {"enabled": bf16}
+    assert "fp16" not in d  # fp32 unless bf16: never DeepSpeed's loss-scaled fp16
+    assert "optimizer" not in d and d["zero_allow_untested_optimizer"] is True  # client AdamW
+
+
+def test_global_batch_defaults_to_micro_times_dp():
+    """global_batch_size unset: one micro-batch per rank per iteration (2 * 3 = 6, gas 1)."""
+    d = deepspeed_config(cfg_of(2, None, 1), 3)
+    assert (d["train_batch_size"], d["gradient_accumulation_steps"]) == (6, 1)
+
+
+def test_param_groups_exempt_biases_and_norms_from_weight_decay():
+    """Matrices decay; biases and norm weights (1-D) do not; frozen parameters are left out."""
+    net = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2, bias=False))
+    net[2].weight.requires_grad_(False)
+    groups = param_groups(net, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
+    assert decay == {id(net[0].weight)}
+    assert no_decay == {id(net[0].bias), id(net[1].weight), id(net[1].bias)}
+
+
+def _engine_settings(cfg):
+    from megafp8.fp8.backend import Backend
+    from megafp8.model.gpt import GPTModel
+    from megafp8.optim.zero import build_engine
+    from megafp8.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups.build()
+    model = GPTModel(cfg, backend=Backend(), groups=groups, vocab_size=cfg.model.vocab_size)
+    eng = build_engine(model, cfg, groups)
+    pg = eng.optimizer.param_groups
+    return {
+        "batch": (
+            eng.train_batch_size(),
+            eng.train_micro_batch_size_per_gpu(),
+            eng.gradient_accumulation_steps(),
+        ),
+        "stage": eng.zero_optimization_stage(),
+        "clip": eng.gradient_clipping(),
+        "bf16": eng.bfloat16_enabled(),
+        "dtype": next(model.parameters()).dtype,
+        "groups": [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in pg],
+        "adamw": type(getattr(eng.optimizer, "optimizer", eng.optimizer)).__name__,
+    }
+
+
+def test_engine_takes_the_settings():
+    """DeepSpeed (2 data-parallel ranks, ZeRO 2) reads the dict as intended: 16 = 2 x 4 x 2,
+    clipping 0.25, fp32, and torch AdamW with the configured lr, betas, eps and decay groups."""
+    cfg = tiny_config(
+        train=dict(micro_batch_size=2, global_batch_size=16),
+        optim=dict(
+            zero_stage=2,
+            clip_grad=0.25,
+            lr=2e-3,
+            adam_beta1=0.8,
+            adam_beta2=0.95,
+            adam_eps=1e-6,
+            weight_decay=0.05,
+        ),
+    )
+    got = run_distributed(_engine_settings, 2, cfg)
+    assert got[0] == got[1]
+    s = got[0]
+    assert s["batch"] == (16, 2, 4)
+    assert s["stage"] == 2 and s["clip"] == 0.25
+    assert s["bf16"] is False and s["dtype"] == torch.float32
+    assert s["adamw"] == "AdamW"
+    assert s["groups"] == [(2e-3, (0.8, 0.95), 1e-6, 0.05), (2e-3, (0.8, 0.95), 1e-6, 0.0)]
