@@ -32,8 +32,10 @@ def _reference(logits, target, weight):
 
 def _ours(logits, target, weight, fused, inplace=False, group=None):
     from megafp8.parallel.layers import vocab_parallel_cross_entropy
+    from megafp8.parallel.mappings import SOLO
 
     z = logits.detach().clone().requires_grad_()
+    group = SOLO if group is None else group  # one process: the group of one
     loss = vocab_parallel_cross_entropy(z, target, group, fused=fused, inplace=inplace)
     (loss * weight).sum().backward()
     return loss.detach(), z.grad
@@ -60,6 +62,7 @@ def test_fused_matches_float64_and_unfused(dtype):
 
 def test_inplace_gradient_reuses_the_logits_buffer():
     from megafp8.parallel.layers import vocab_parallel_cross_entropy
+    from megafp8.parallel.mappings import SOLO
 
     logits, target, weight = _data(torch.bfloat16)
     _, grad = _ours(logits, target, weight, fused=True)
@@ -68,7 +71,7 @@ def test_inplace_gradient_reuses_the_logits_buffer():
     seen = {}
     y.register_hook(lambda g: seen.setdefault("g", g))
     (
-        vocab_parallel_cross_entropy(y, target, None, fused=True, inplace=True) * weight
+        vocab_parallel_cross_entropy(y, target, SOLO, fused=True, inplace=True) * weight
     ).sum().backward()
     assert seen["g"].data_ptr() == y.data_ptr()
     assert torch.equal(seen["g"], grad)
