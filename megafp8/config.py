@@ -86,9 +86,15 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (tp)")
-    pipeline_model_parallel_size: int = _f(1, "pipeline stages (pp; only 1 today)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages (pp; 1F1B schedule when > 1)")
     virtual_pipeline_model_parallel_size: int | None = _f(
-        None, "virtual stages per pipeline rank (interleaved schedule)"
+        None, "virtual stages per pipeline rank (interleaved schedule: not available yet)"
+    )
+    decoder_first_pipeline_num_layers: int | None = _f(
+        None, "layers of the first pipeline stage (None: an even split)"
+    )
+    decoder_last_pipeline_num_layers: int | None = _f(
+        None, "layers of the last pipeline stage (None: an even split)"
     )
     expert_model_parallel_size: int = _f(1, "expert-parallel ranks (ep; only 1 today)")
     sequence_parallel: bool = _f(

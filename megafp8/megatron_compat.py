@@ -120,7 +120,7 @@ TABLE = [
         "num-layers-per-virtual-pipeline-stage",
         int,
         "refuse",
-        "pipeline parallelism is not available yet",
+        "the interleaved pipeline schedule is not available yet (1F1B is: omit this flag)",
     ),
 ]
 

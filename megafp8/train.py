@@ -1,8 +1,10 @@
 """The training loop: schedule -> step -> log -> eval -> save, with resume and a SIGTERM save.
 
-One iteration = gradient accumulation over micro-batches up to the global batch, through the
-DeepSpeed engine (forward, backward, step per micro-batch; DeepSpeed steps the optimizer at the
-accumulation boundary). The FP8 backend's amax reduction runs after each micro-batch.
+One iteration = the micro-batches of the global batch through the layout's schedule
+(``parallel/pipeline/schedules.py``: gradient accumulation at pp = 1, 1F1B across pipeline
+stages), each through the DeepSpeed engine (forward, backward, step per micro-batch; DeepSpeed
+steps the optimizer at the accumulation boundary). The FP8 backend's amax reduction runs after
+each micro-batch (under pipelining: after each forward and each backward, per scaling role).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from megafp8.model.gpt import GPTModel
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
+from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
+from megafp8.parallel.pipeline.stages import stage_of
 from megafp8.parallel.random import model_parallel_seed
 from megafp8.run_hooks import RunHooks, Signals
 from megafp8.validate import validate
@@ -107,26 +111,17 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         attention_backend=cfg.model.attention_backend,
     )
     model = GPTModel(
-        cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng
+        cfg,
+        backend=backend,
+        groups=groups,
+        vocab_size=cfg.model.vocab_size,
+        device=device,
+        rng=rng,
+        stage=stage_of(cfg, groups.coords.pp),
     )
     engine = build_engine(model, cfg, groups)
     data = build_data_iterators(cfg, dp_rank=groups.coords.dp, dp_size=groups.dp, tokenizer=tok)
     return Run(cfg, groups, model, engine, backend, rng, data, device)
-
-
-def _to(batch: dict, device) -> dict:
-    """To the device without waiting: from pageable memory a host-to-GPU copy blocks the CPU
-    until the GPU has drained its queue, and the next micro-batch's launches start from empty."""
-    if torch.device(device).type == "cuda":
-        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def _dp_mean(x: torch.Tensor, groups: ParallelGroups) -> float:
-    if groups.dp > 1:
-        dist.all_reduce(x, group=groups.dp_group)
-        x = x / groups.dp
-    return float(x)
 
 
 def _lrs(cfg: Config, iteration: int) -> tuple[float, float | None]:
@@ -139,66 +134,34 @@ def _lrs(cfg: Config, iteration: int) -> tuple[float, float | None]:
 
 
 def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
-    """One iteration (all micro-batches of the global batch); returns (DP-mean loss, grad norm).
+    """One iteration (all micro-batches of the global batch) through the layout's schedule
+    (``parallel/pipeline/schedules.py``); returns (DP-mean loss, grad norm), on every rank.
 
     The loss of a micro-batch is the mean over its counted tokens; the iteration's is the mean
     of those. With ``calculate_per_token_loss`` it is instead the sum over every counted token of
     the global batch (all micro-batches, all DP ranks) over their number: each micro-batch's
     loss is weighted by its token count before the backward (DeepSpeed divides by the
     accumulation steps and averages over DP, which the weight undoes)."""
-    eng, gas, cfg = run.engine, run.engine.gradient_accumulation_steps(), run.cfg
-    set_lr(eng, *_lrs(cfg, run.iteration))
-    total = torch.zeros((), device=run.device)
-    per_token = cfg.train.calculate_per_token_loss
-    if per_token:  # every micro-batch's token count first: the weights need the total
-        batches = [_to(next(train_iter), run.device) for _ in range(gas)]
-        counts = [b["loss_mask"].float().sum() for b in batches]
-        n_total = torch.stack(counts).sum()
-        if run.groups.dp > 1:
-            dist.all_reduce(n_total, group=run.groups.dp_group)
-        n_total = n_total.clamp(min=1.0)
-    for i in range(gas):
-        b = batches[i] if per_token else _to(next(train_iter), run.device)
-        run.backend.microbatch(i)
-        with run.backend.autocast():
-            loss = eng(b["tokens"], b["labels"], b["loss_mask"])
-        if per_token:
-            weight = counts[i] * (gas * run.groups.dp) / n_total
-            eng.backward(loss * weight)
-            total += loss.detach().float() * counts[i]
-        else:
-            eng.backward(loss)
-            total += loss.detach().float()
-        run.backend.update()
-        eng.step()
-        if hooks is not None:
-            hooks.after_microbatch()
-    gn = eng.get_global_grad_norm()
-    gn = float(gn) if gn is not None else None
-    if per_token:  # sum over DP of the token-weighted sums, over the global token count
-        return _dp_mean(total / n_total, run.groups) * run.groups.dp, gn
-    return _dp_mean(total / gas, run.groups), gn
+    set_lr(run.engine, *_lrs(run.cfg, run.iteration))
+    return train_iteration(run, train_iter, hooks)
 
 
-@torch.no_grad()
 def evaluate(run: Run, iters: int) -> float | None:
     it = run.data.valid_iterator()
     if it is None:
         return None
     run.model.eval()
     run.backend.microbatch(None)
-    total, n = torch.zeros((), device=run.device), 0
+    batches = []
     try:
         for _ in range(iters * run.engine.gradient_accumulation_steps()):
-            b = _to(next(it), run.device)
-            with run.backend.autocast():
-                total += run.engine(b["tokens"], b["labels"], b["loss_mask"]).float()
-            n += 1
+            batches.append(next(it))
     except StopIteration:
         pass
+    try:
+        return forward_only(run, batches) if batches else None
     finally:
         run.model.train()
-    return _dp_mean(total / max(n, 1), run.groups) if n else None
 
 
 def save(run: Run) -> None:

@@ -17,6 +17,7 @@ from megafp8.config import (
     parse_data_path,
     parse_split,
 )
+from megafp8.parallel.pipeline.stages import layer_counts
 
 FP8_GEMM_MULTIPLE = 16  # TE and cuBLASLt FP8 kernels need GEMM dims divisible by 16
 
@@ -84,8 +85,20 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
         e.append("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1)")
     if ep > 1:
         e.append(f"expert_model_parallel_size={ep}: expert parallelism (MoE) is not available yet")
-    if pp > 1:
-        e.append(f"pipeline_model_parallel_size={pp}: pipeline parallelism is not available yet")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1:
+        e.append(
+            f"virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is not "
+            "available yet (1F1B is: leave it unset)"
+        )
+    if pp > 1 and cfg.optim.zero_stage == 3:
+        e.append(
+            f"zero_stage=3 with pipeline_model_parallel_size={pp}: ZeRO-3 gathers and releases "
+            "parameters around each engine forward/backward, while the pipeline schedule keeps "
+            "several micro-batches in flight between them; use zero_stage 1 or 2"
+        )
+    if pp == 1 and (p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers):
+        e.append("decoder_first/last_pipeline_num_layers need pipeline_model_parallel_size > 1")
 
 
 def _model(cfg: Config, e: list[str]) -> None:
@@ -115,12 +128,19 @@ def _model(cfg: Config, e: list[str]) -> None:
         )
     if m.seq_length > m.max_positions:
         e.append(f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_positions}")
-    vpp = p.virtual_pipeline_model_parallel_size or 1
-    if m.num_layers % (pp * vpp):
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is None and last is None and pp > m.num_layers:
+        e.append(f"pipeline_model_parallel_size={pp} is larger than num_layers={m.num_layers}")
+    elif first is None and last is None and m.num_layers % pp:
         e.append(
             f"num_layers={m.num_layers} is not divisible by pipeline_model_parallel_size={pp} "
-            f"x virtual_pipeline_model_parallel_size={vpp}"
+            "(or set decoder_first/last_pipeline_num_layers)"
         )
+    else:
+        try:
+            layer_counts(m.num_layers, pp, first, last)
+        except ValueError as exc:
+            e.append(str(exc))
 
 
 def _fp8(cfg: Config, e: list[str]) -> None:

@@ -178,8 +178,9 @@ class Backend:
         """Before each micro-batch's forward: its index within the iteration (``None`` outside
         training, e.g. evaluation)."""
 
-    def update(self) -> None:
-        """After each micro-batch's forward + backward."""
+    def update(self, roles: tuple[str, ...] | None = None) -> None:
+        """After each micro-batch's forward + backward; under pipelining, after each forward
+        (``roles=("x", "w")``) and after each backward (``roles=("g",)``)."""
 
     def state_dict(self) -> dict:
         return {}

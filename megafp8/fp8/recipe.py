@@ -138,12 +138,19 @@ class Fp8State:
             self.metas[key] = ScalingMeta(self.recipe, role)
         return self.metas[key]
 
-    def update(self) -> None:
+    def update(self, roles: tuple[str, ...] | None = None) -> None:
         """After a micro-batch's forward and backward: one MAX all-reduce of the new amaxes, then
-        new scales for the delayed recipe. Every rank of ``amax_group`` must call it together."""
+        new scales for the delayed recipe. Every rank of ``amax_group`` must call it together.
+        ``roles`` (e.g. ``("x", "w")`` after a forward, ``("g",)`` after a backward) limits it to
+        those roles: each meta's history is its own, so updating the roles separately gives each
+        the same sequence of scales (what pipelining needs, with micro-batches in flight)."""
         if self.recipe.recipe != "delayed":
             return
-        metas = [m for _, m in sorted(self.metas.items()) if m.pending]
+        metas = [
+            m
+            for _, m in sorted(self.metas.items())
+            if m.pending and (roles is None or m.role in roles)
+        ]
         if not metas:
             return
         if world(self.amax_group) > 1:

@@ -119,8 +119,8 @@ class TorchBackend(Backend):
             device=device,
         )
 
-    def update(self):
-        self.state.update()
+    def update(self, roles=None):
+        self.state.update(roles)
 
     def state_dict(self):
         return self.state.state_dict()

@@ -2,6 +2,11 @@
 
 Inputs are batch-first ``[b, s]`` token ids (as the data loader gives them); activations are
 sequence-first ``[s, b, h]``, and ``[s/tp, b, h]`` between TP regions under sequence parallelism.
+
+Under pipeline parallelism each rank builds the part of the model its ``Stage`` holds
+(``parallel/pipeline/stages.py``): the embedding on the first stage, its layers (named and seeded
+by their global index), the final norm, output layer and loss on the last stage. A stage after the
+first takes the previous stage's output as ``hidden``; a stage before the last returns its output.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from megafp8.parallel.layers import (
     param_seed,
     vocab_parallel_cross_entropy,
 )
+from megafp8.parallel.pipeline.stages import Stage
 from megafp8.parallel.random import TP_STREAM
 
 
@@ -45,9 +51,20 @@ class GPTModel(nn.Module):
     gathering them.
     """
 
-    def __init__(self, cfg: Config, *, backend, groups, vocab_size: int, device=None, rng=None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        backend,
+        groups,
+        vocab_size: int,
+        device=None,
+        rng=None,
+        stage: Stage | None = None,
+    ):
         super().__init__()
         m = cfg.model
+        self.stage = stage = stage or Stage.whole(m.num_layers)
         self.cfg, self.groups, self.rng = cfg, groups, rng
         self.sp = cfg.parallel.sequence_parallel
         dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
@@ -56,46 +73,48 @@ class GPTModel(nn.Module):
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, groups.tp)
         std = m.init_method_std
-        self.embedding = VocabParallelEmbedding(
-            self.padded_vocab,
-            m.hidden_size,
-            name="embedding",
-            tp_group=tp_group,
-            std=std,
-            seed=seed,
-            dtype=dtype,
-            device=device,
-        )
-        self.pos = None
-        if m.position_embedding_type == "learned_absolute":
-            self.pos = nn.Parameter(
-                full_normal(
-                    (m.max_positions, m.hidden_size),
-                    std,
-                    param_seed(seed, "position"),
-                    device or "cpu",
-                    dtype,
+        self.embedding = self.pos = None
+        if stage.first:
+            self.embedding = self._word_embedding(device, dtype)
+            if m.position_embedding_type == "learned_absolute":
+                self.pos = nn.Parameter(
+                    full_normal(
+                        (m.max_positions, m.hidden_size),
+                        std,
+                        param_seed(seed, "position"),
+                        device or "cpu",
+                        dtype,
+                    )
                 )
-            )
         kv_group = groups.kv_replica_group(m.kv_heads)
-        self.layers = nn.ModuleList(
-            TransformerBlock(
-                cfg,
-                backend=backend,
-                groups=groups,
-                layer=i,
-                seed=seed,
-                fp8=layer_uses_fp8(cfg, i),
-                dtype=dtype,
-                device=device,
-                rng=rng,
-                kv_group=kv_group,
+        # keyed by the global layer index: the names ("layers.5.attn...") are one process's
+        self.layers = nn.ModuleDict(
+            (
+                str(i),
+                TransformerBlock(
+                    cfg,
+                    backend=backend,
+                    groups=groups,
+                    layer=i,
+                    seed=seed,
+                    fp8=layer_uses_fp8(cfg, i),
+                    dtype=dtype,
+                    device=device,
+                    rng=rng,
+                    kv_group=kv_group,
+                ),
             )
-            for i in range(m.num_layers)
+            for i in stage.layers
         )
-        self.final_norm = make_norm(cfg, backend, groups, dtype, device)
+        self.final_norm = make_norm(cfg, backend, groups, dtype, device) if stage.last else None
         self.output = None
-        if m.untie_embeddings_and_output_weights:
+        if stage.last and not stage.first and not m.untie_embeddings_and_output_weights:
+            # the tied output layer of a pipeline's last stage: a copy of the first stage's word
+            # embedding, kept out of the optimizer; the schedule adds its gradient to the first
+            # stage's and copies the updated weight back after each step
+            copy = self._word_embedding(device, dtype).weight.detach().requires_grad_()
+            self.register_buffer("tied_output_weight", copy)
+        if stage.last and m.untie_embeddings_and_output_weights:
             r, n = M.rank_in(tp_group), self.padded_vocab // groups.tp
             full = full_normal(
                 (self.padded_vocab, m.hidden_size),
@@ -111,14 +130,58 @@ class GPTModel(nn.Module):
         if m.position_embedding_type == "rope":
             self._rope_cfg = (m.head_dim, m.rotary_base)
 
+    def _word_embedding(self, device, dtype) -> VocabParallelEmbedding:
+        m = self.cfg.model
+        return VocabParallelEmbedding(
+            self.padded_vocab,
+            m.hidden_size,
+            name="embedding",
+            tp_group=self.groups.tp_group,
+            std=m.init_method_std,
+            seed=self.cfg.train.seed,
+            dtype=dtype,
+            device=device,
+        )
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer: the untied one, the word embedding, or the last stage's copy."""
+        if self.output is not None:
+            return self.output
+        return self.embedding.weight if self.stage.first else self.tied_output_weight
+
     def _rope(self, s, device):
         if self.rope is None or self.rope[0].shape[0] < s or self.rope[0].device != device:
             self.rope = rope_tables(max(s, self.cfg.model.seq_length), *self._rope_cfg, device)
         return self.rope[0][:s], self.rope[1][:s]
 
-    def forward(self, tokens, labels=None, loss_mask=None):
-        """tokens, labels, loss_mask: [b, s]. Returns the mean masked loss
-        (or the vocab-split logits when no labels are given)."""
+    def forward(self, tokens, labels=None, loss_mask=None, hidden=None):
+        """tokens, labels, loss_mask: [b, s]. Returns the mean masked loss (or the vocab-split
+        logits when no labels are given); a stage before the last returns its output
+        [s(/tp), b, h], and a stage after the first takes its input as ``hidden``."""
+        tg = self.groups.tp_group
+        s = tokens.shape[1]
+        x = self._embed(tokens) if self.stage.first else hidden  # [s(/tp), b, h]
+        rope = self._rope(s, x.device) if self.cfg.model.position_embedding_type == "rope" else None
+        for layer in self.layers.values():
+            x = layer(x, rope)
+        if not self.stage.last:
+            return x
+        x = self.final_norm(x)
+        if self.sp:
+            x = M.gather_from_sequence_parallel_region(x, tg, True)  # [s, b, h]
+        else:
+            x = M.copy_to_tensor_parallel_region(x, tg)
+        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        if labels is None:
+            return logits
+        fused = self.cfg.model.cross_entropy_loss_fusion  # the logits serve only the loss
+        # labels [b, s] -> [s, b], as the logits; losses [s, b]
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), tg, fused, inplace=True)
+        mask = loss_mask.t().float() if loss_mask is not None else torch.ones_like(losses)  # [s, b]
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def _embed(self, tokens):
+        """[b, s] token ids -> [s(/tp under SP), b, h] (word + position embedding, dropout)."""
         tg = self.groups.tp_group
         x = self.embedding(tokens.t())  # [s, b, h]
         s = x.shape[0]
@@ -133,20 +196,4 @@ class GPTModel(nn.Module):
                     x = F.dropout(x, p, True)
             else:
                 x = F.dropout(x, p, True)
-        rope = self._rope(s, x.device) if self.pos is None else None
-        for layer in self.layers:
-            x = layer(x, rope)
-        x = self.final_norm(x)
-        if self.sp:
-            x = M.gather_from_sequence_parallel_region(x, tg, True)  # [s, b, h]
-        else:
-            x = M.copy_to_tensor_parallel_region(x, tg)
-        w = self.output if self.output is not None else self.embedding.weight
-        logits = F.linear(x, w)  # [s, b, V/tp]
-        if labels is None:
-            return logits
-        fused = self.cfg.model.cross_entropy_loss_fusion  # the logits serve only the loss
-        # labels [b, s] -> [s, b], as the logits; losses [s, b]
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), tg, fused, inplace=True)
-        mask = loss_mask.t().float() if loss_mask is not None else torch.ones_like(losses)  # [s, b]
-        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        return x

@@ -80,9 +80,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = 
     ]
 
 
+def count_once_in_grad_norm(model, groups) -> None:
+    """Under pipelining, DeepSpeed's ZeRO-0 clipping counts a parameter that is not marked model
+    parallel only where ``mpu.get_model_parallel_rank() == 0`` (tp x pp rank 0): the first stage
+    alone. Mark this stage's replicated parameters (norms, biases, positions) on its TP rank 0, so
+    each stage's are counted once (ZeRO 1/2 already count them on every stage's TP rank 0)."""
+    if groups.pp == 1 or groups.coords.tp != 0:
+        return
+    for p in model.parameters():
+        if not hasattr(p, "tensor_model_parallel"):
+            p.model_parallel = True
+
+
 def build_engine(model, cfg, groups):
     """``deepspeed.initialize`` with the mpu; returns the engine."""
     ds = import_deepspeed()
+    count_once_in_grad_norm(model, groups)
     o = cfg.optim
     fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
     opt = torch.optim.AdamW(

@@ -108,6 +108,7 @@ class ParallelGroups:
     ranks: dict  # kind -> this rank's group as a rank list
     kv_heads: int | None = None  # the kv heads the kv-replica groups were built for
     kv_group: Any = SOLO  # the TP ranks sharing this rank's kv head (when tp > kv heads)
+    embedding_group: Any = SOLO  # first + last stage of this pipeline (SOLO on middle stages)
 
     @classmethod
     def build(
@@ -132,6 +133,11 @@ class ParallelGroups:
                     g = dist.new_group(ranks, backend=backend)
                 if rank in ranks:
                     mine[name], my_ranks[name] = g, ranks
+        mine["emb"] = SOLO  # middle stages hold no embedding; pp = 1: first is last
+        for ranks in embedding_ranks(layout) if pp > 1 else []:
+            g = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                mine["emb"], my_ranks["emb"] = g, ranks
         kv_group = SOLO
         for ranks in kv_replica_ranks(layout, kv_heads):
             g = dist.new_group(ranks, backend=backend)  # every rank creates every group
@@ -151,6 +157,7 @@ class ParallelGroups:
             ranks=my_ranks,
             kv_heads=kv_heads,
             kv_group=kv_group,
+            embedding_group=mine["emb"],
         )
 
     @classmethod
@@ -168,7 +175,7 @@ class ParallelGroups:
             edp_group=SOLO,
             tp_dp_group=SOLO,
             mp_group=SOLO,
-            ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "mp")},
+            ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "mp", "emb")},
         )
 
     @property
@@ -277,6 +284,15 @@ class DeepSpeedMpu:
 
     def get_sequence_data_parallel_rank(self):
         return self._g.coords.dp
+
+
+def embedding_ranks(layout: Layout) -> list[list[int]]:
+    """The embedding groups: for each (tp, dp) position, the first and the last pipeline stage's
+    ranks (one rank when pp = 1), which hold the two copies of the tied word embedding."""
+    out = []
+    for ranks in group_ranks(layout)["pp"]:  # sorted: stage 0 first, the last stage last
+        out.append(sorted({ranks[0], ranks[-1]}))
+    return out
 
 
 def kv_replica_ranks(layout: Layout, kv_heads: int | None) -> list[list[int]]:

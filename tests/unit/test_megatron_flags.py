@@ -86,7 +86,9 @@ def test_gpt3_175b_script():
     assert cfg.optim.lr_warmup_iters == 430  # .001 of the 430000 decay iterations
     assert (cfg.data.vocab_file, cfg.data.merge_file) == ("vocab.json", "merges.txt")
     assert cfg.optim.adam_beta2 == 0.95 and cfg.parallel.tensor_model_parallel_size == 8
-    with pytest.raises(ValueError, match="pipeline parallelism is not available yet"):
+    with pytest.raises(
+        ValueError, match="pipeline_model_parallel_size=16 is larger than num_layers=2"
+    ):
         validate(cfg, 8 * 16)
 
 
