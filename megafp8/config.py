@@ -186,6 +186,7 @@ class DataConfig:
     )
     vocab_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 vocab.json")
     merge_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 merges.txt")
+    eod_mask_loss: bool = _f(False, "no loss where the input token is the EOD (document ends)")
     data_cache_path: str | None = _f(
         None, "where sample indices are cached (None: beside the data)"
     )

@@ -110,6 +110,18 @@ TABLE = [
         "refuse",
         "batch ramp-up is not supported: give a constant --global-batch-size",
     ),
+    _f(
+        "reset-position-ids",
+        "switch",
+        "refuse",
+        "not supported: positions run over the whole sample, across EOD (Megatron's default)",
+    ),
+    _f(
+        "reset-attention-mask",
+        "switch",
+        "refuse",
+        "not supported: attention spans the whole sample, across EOD (Megatron's default)",
+    ),
     _f("num-experts", int, "refuse", "mixture of experts is not available yet"),
     _f("moe-router-topk", int, "refuse", "mixture of experts is not available yet"),
     _f("moe-router-load-balancing-type", str, "refuse", "mixture of experts is not available yet"),

@@ -120,7 +120,13 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         stage=stage_of(cfg, groups.coords.pp),
     )
     engine = build_engine(model, cfg, groups)
-    data = build_data_iterators(cfg, dp_rank=groups.coords.dp, dp_size=groups.dp, tokenizer=tok)
+    data = build_data_iterators(
+        cfg,
+        dp_rank=groups.coords.dp,
+        dp_size=groups.dp,
+        tokenizer=tok,
+        eod_mask_id=tok.eod if cfg.data.eod_mask_loss else None,
+    )
     return Run(cfg, groups, model, engine, backend, rng, data, device)
 
 
@@ -193,6 +199,7 @@ def resume(run: Run) -> bool:
         dp_rank=run.groups.coords.dp,
         dp_size=run.groups.dp,
         consumed_train_samples=run.consumed,
+        eod_mask_id=run.data.eod_mask_id,
     )
     log.info(
         "resumed from %s at iteration %d (%d samples)",

@@ -12,6 +12,7 @@ exactly the batches an uninterrupted run would have produced.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -93,15 +94,18 @@ def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None
     return out
 
 
-def _collate(samples: list[np.ndarray]) -> dict:
+def _collate(samples: list[np.ndarray], eod_mask_id: int | None = None) -> dict:
+    """Samples of seq_length + 1 tokens -> inputs, next-token labels and the loss mask, each
+    [b, s]. With ``eod_mask_id`` (``--eod-mask-loss``), positions whose input is that EOD id do not
+    count (the prediction of a document's first token from the previous one's EOD)."""
     import torch
 
-    batch = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
-    return {
-        "tokens": batch[:, :-1].contiguous(),
-        "labels": batch[:, 1:].contiguous(),
-        "loss_mask": torch.ones(batch.shape[0], batch.shape[1] - 1, dtype=torch.float32),
-    }
+    batch = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))  # [b, s + 1]
+    tokens = batch[:, :-1].contiguous()
+    mask = torch.ones(tokens.shape, dtype=torch.float32)
+    if eod_mask_id is not None:
+        mask[tokens == eod_mask_id] = 0.0
+    return {"tokens": tokens, "labels": batch[:, 1:].contiguous(), "loss_mask": mask}
 
 
 def rank_sample_ids(start: int, end: int, micro: int, dp_rank: int, dp_size: int):
@@ -113,12 +117,20 @@ def rank_sample_ids(start: int, end: int, micro: int, dp_rank: int, dp_size: int
 
 
 def micro_batches(
-    dataset, start: int, end: int, micro: int, dp_rank: int, dp_size: int, num_workers: int = 0
+    dataset,
+    start: int,
+    end: int,
+    micro: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    eod_mask_id: int | None = None,
 ) -> Iterator[dict]:
     """This rank's micro-batches over samples ``[start, end)`` of ``dataset``."""
+    collate = functools.partial(_collate, eod_mask_id=eod_mask_id)
     if num_workers <= 0:
         for ids in rank_sample_ids(start, end, micro, dp_rank, dp_size):
-            yield _collate([dataset[i] for i in ids])
+            yield collate([dataset[i] for i in ids])
         return
     import torch.utils.data as tud
 
@@ -127,7 +139,7 @@ def micro_batches(
         _TorchView(dataset),
         batch_sampler=batches,
         num_workers=num_workers,
-        collate_fn=_collate,
+        collate_fn=collate,
         persistent_workers=False,
     )
 
@@ -157,13 +169,21 @@ class DataIterators:
     dp_rank: int
     dp_size: int
     num_workers: int = 0
+    eod_mask_id: int | None = None  # --eod-mask-loss: the EOD id whose positions do not count
 
     def _iterator(self, name: str, start: int = 0) -> Iterator[dict] | None:
         ds = self.datasets.get(name)
         if ds is None:
             return None
         return micro_batches(
-            ds, start, len(ds), self.micro_batch_size, self.dp_rank, self.dp_size, self.num_workers
+            ds,
+            start,
+            len(ds),
+            self.micro_batch_size,
+            self.dp_rank,
+            self.dp_size,
+            self.num_workers,
+            self.eod_mask_id,
         )
 
     def valid_iterator(self) -> Iterator[dict] | None:
@@ -175,9 +195,17 @@ class DataIterators:
 
 
 def build_data_iterators(
-    cfg, *, dp_rank: int, dp_size: int, consumed_train_samples: int = 0, tokenizer=None
+    cfg,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    consumed_train_samples: int = 0,
+    tokenizer=None,
+    eod_mask_id: int | None = None,
 ) -> DataIterators:
-    """Build the run's datasets and this rank's iterators; train resumes after consumed samples."""
+    """Build the run's datasets and this rank's iterators; train resumes after consumed samples.
+    ``eod_mask_id``: the tokenizer's EOD when ``--eod-mask-loss`` is on (the same id
+    ``preprocess_data.py`` wrote, checked against the dataset's tokenizer record)."""
     micro = cfg.train.micro_batch_size
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} outside [0, dp_size={dp_size})")
@@ -193,7 +221,9 @@ def build_data_iterators(
             f"consumed_train_samples={consumed_train_samples} exceeds the "
             f"{len(train)} training samples of this run"
         )
-    it = DataIterators(None, None, None, datasets, micro, dp_rank, dp_size, cfg.data.num_workers)
+    it = DataIterators(
+        None, None, None, datasets, micro, dp_rank, dp_size, cfg.data.num_workers, eod_mask_id
+    )
     it.train = it._iterator("train", consumed_train_samples)
     it.valid = it._iterator("valid")
     it.test = it._iterator("test")

@@ -123,3 +123,25 @@ def test_num_workers_matches_in_process():
     b = _rows(build_data_iterators(cfg_w, dp_rank=1, dp_size=2).train, 3)
     assert len(a) == 3
     assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b, strict=True))
+
+
+def test_eod_mask_loss_drops_the_positions_whose_input_is_eod():
+    """--eod-mask-loss (Megatron's): no loss where the input token is the EOD (255 here), on
+    every split and after a resume; elsewhere the mask is 1."""
+    from megafp8.cli import parse_args
+
+    assert parse_args(["--mock-data", "--eod-mask-loss"]).data.eod_mask_loss is True
+    plain = build_data_iterators(mock_cfg(), dp_rank=0, dp_size=1)
+    it = build_data_iterators(mock_cfg(), dp_rank=0, dp_size=1, eod_mask_id=255)
+    masked = 0
+    for b, p in zip(itertools.islice(it.train, 20), itertools.islice(plain.train, 20), strict=True):
+        assert torch.equal(b["tokens"], p["tokens"]) and torch.all(p["loss_mask"] == 1)
+        assert torch.equal(b["loss_mask"], (b["tokens"] != 255).float())
+        masked += int((b["loss_mask"] == 0).sum())
+    assert masked > 0  # the mock documents end in EOD inside these samples
+    v = next(it.valid_iterator())
+    assert torch.equal(v["loss_mask"], (v["tokens"] != 255).float())
+    again = build_data_iterators(
+        mock_cfg(), dp_rank=0, dp_size=1, consumed_train_samples=8, eod_mask_id=255
+    )
+    assert again.eod_mask_id == 255 and torch.all(next(again.train)["loss_mask"] <= 1)

@@ -255,3 +255,9 @@ def test_llama_script_trains_end_to_end(tmp_path):
     trace = json.loads((tmp_path / "tb" / "profile_rank0.json").read_text())
     assert trace["traceEvents"]  # iterations 2 and 3 were profiled
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000004"
+
+
+@pytest.mark.parametrize("flag", ["--reset-position-ids", "--reset-attention-mask"])
+def test_document_reset_flags_are_refused_with_the_reason(flag):
+    with pytest.raises(ValueError, match=rf"^{flag}: not supported: .*across EOD"):
+        _parse(f"--mock-data {flag}")

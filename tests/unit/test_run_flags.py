@@ -118,3 +118,22 @@ def test_manual_gc_turns_the_collector_off_for_the_run():
     late = RunHooks(_cfg(train=dict(exit_duration_in_mins=1.0)), rank=0, start_time=0.0)
     assert late.deadline_passed()
     assert not RunHooks(_cfg(), rank=0).deadline_passed()
+
+
+def _first_batch_and_loss(cfg):
+    from megafp8.train import build_run, init_distributed
+
+    groups, device = init_distributed(cfg)
+    run = build_run(cfg, groups, device)
+    b = next(run.data.train)
+    return b["tokens"], b["loss_mask"], run.data.eod_mask_id
+
+
+def test_eod_mask_loss_reaches_the_training_batches():
+    """The run's tokenizer EOD (mock data: vocab - 1) is the id masked when --eod-mask-loss."""
+    tokens, mask, eod = run_distributed(
+        _first_batch_and_loss, 1, _cfg(data=dict(eod_mask_loss=True))
+    )[0]
+    assert eod == 255 and torch.equal(mask, (tokens != 255).float())
+    _, plain_mask, none = run_distributed(_first_batch_and_loss, 1, _cfg())[0]
+    assert none is None and torch.all(plain_mask == 1)
