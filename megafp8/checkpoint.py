@@ -8,8 +8,15 @@ Layout under ``--save DIR``::
 
 A save writes into ``DIR/.tmp-iter_0000100/``, fsyncs every file, renames the directory into place,
 then replaces ``latest`` atomically (write, fsync, rename). A crash at any instant leaves the
-previous
-checkpoint and its ``latest`` intact; leftover ``.tmp-*`` directories are ignored and cleaned up.
+previous checkpoint and its ``latest`` intact; leftover ``.tmp-*`` directories are ignored and
+cleaned up. Re-saving an existing iteration moves the old copy to ``.old-iter_...`` first; should a
+crash fall between that move and the new copy's, loading takes the old copy.
+
+Retention (``--most-recent-k K``, ``--save-retain-interval N``): after a save is complete and
+``latest`` names it, checkpoints beyond the K newest are deleted, except those whose iteration is
+a multiple of N, and never the one ``latest`` names. A deletion first renames the directory to
+``.del-iter_...`` (atomic), then removes it, so a crash mid-deletion never leaves a partial
+directory under a checkpoint's name.
 """
 
 from __future__ import annotations
@@ -60,7 +67,15 @@ def _barrier():
         dist.barrier()
 
 
-def save(engine, save_dir: str, iteration: int, client_state: dict, meta: dict) -> str:
+def save(
+    engine,
+    save_dir: str,
+    iteration: int,
+    client_state: dict,
+    meta: dict,
+    most_recent_k: int | None = None,
+    retain_interval: int | None = None,
+) -> str:
     """Every rank calls this; returns the final checkpoint path."""
     tag = tag_for(iteration)
     tmp_root = os.path.join(save_dir, f".tmp-{tag}")
@@ -78,14 +93,70 @@ def save(engine, save_dir: str, iteration: int, client_state: dict, meta: dict) 
                 {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}, f, indent=1
             )
         _fsync_tree(tmp_root)
-        if os.path.exists(final):  # re-saving the same iteration: replace the old copy
-            shutil.rmtree(final)
+        old = os.path.join(save_dir, f".old-{tag}")
+        if os.path.exists(final):  # re-saving the same iteration: keep the old copy until done
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(os.path.join(tmp_root, tag), final)
+        _fsync_dir(save_dir)
         shutil.rmtree(tmp_root, ignore_errors=True)
         write_atomic(os.path.join(save_dir, "latest"), tag)
+        shutil.rmtree(old, ignore_errors=True)
         log.info("saved checkpoint %s", final)
+        apply_retention(save_dir, most_recent_k, retain_interval)
     _barrier()
     return final
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(save_dir: str) -> list[int]:
+    """Iterations of the complete checkpoints in ``save_dir``, oldest first."""
+    out = []
+    for name in os.listdir(save_dir):
+        if name.startswith("iter_") and name[5:].isdigit():
+            if os.path.isfile(os.path.join(save_dir, name, "megafp8.json")):
+                out.append(int(name[5:]))
+    return sorted(out)
+
+
+def to_delete(iterations: list[int], latest: int | None, k: int | None, interval: int | None):
+    """Which checkpoints retention removes: all but the ``k`` newest, keeping every multiple of
+    ``interval`` and ``latest``. ``k`` None: keep everything."""
+    if k is None:
+        return []
+    keep = set(sorted(iterations)[-k:]) if k > 0 else set()
+    if interval:
+        keep |= {i for i in iterations if i % interval == 0}
+    if latest is not None:
+        keep.add(latest)
+    return [i for i in iterations if i not in keep]
+
+
+def apply_retention(save_dir: str, k: int | None, interval: int | None) -> list[int]:
+    """Delete what retention says (rank 0, after ``latest`` names the new checkpoint); also
+    clears leftovers of interrupted saves and deletions. Returns the deleted iterations."""
+    for name in os.listdir(save_dir):
+        if name.startswith(".del-"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    tag = latest_tag(save_dir)
+    latest = int(tag[5:]) if tag else None
+    gone = to_delete(list_checkpoints(save_dir), latest, k, interval)
+    for i in gone:
+        src = os.path.join(save_dir, tag_for(i))
+        dst = os.path.join(save_dir, f".del-{tag_for(i)}")
+        os.rename(src, dst)  # atomic: the name disappears whole
+        _fsync_dir(save_dir)
+        shutil.rmtree(dst, ignore_errors=True)
+    if gone:
+        log.info("retention: deleted checkpoints %s", [tag_for(i) for i in gone])
+    return gone
 
 
 def latest_tag(load_dir: str) -> str | None:
@@ -94,6 +165,11 @@ def latest_tag(load_dir: str) -> str | None:
     if not os.path.isfile(p):
         return None
     tag = open(p).read().strip()
+    old = os.path.join(load_dir, f".old-{tag}")
+    if not os.path.exists(os.path.join(load_dir, tag)) and os.path.isfile(
+        os.path.join(old, "megafp8.json")
+    ):  # a crash while re-saving this iteration: the previous copy is complete
+        os.rename(old, os.path.join(load_dir, tag))
     if not os.path.isfile(os.path.join(load_dir, tag, "megafp8.json")):
         raise ValueError(
             f"{p} names {tag!r}, but {os.path.join(load_dir, tag)} is not a complete "

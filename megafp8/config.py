@@ -205,6 +205,10 @@ class TrainConfig:
     save: str | None = _f(None, "checkpoint directory")
     load: str | None = _f(None, "resume from this checkpoint directory's latest")
     save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
+    most_recent_k: int | None = _f(None, "keep only the k newest checkpoints (None: keep all)")
+    save_retain_interval: int | None = _f(
+        None, "with most_recent_k: keep forever each checkpoint whose iteration is a multiple"
+    )
     eval_interval: int | None = _f(None, "evaluate every this many iterations")
     eval_iters: int = _f(10, "validation batches per evaluation")
     exit_on_nan: bool = _f(True, "stop when the loss is NaN or inf")

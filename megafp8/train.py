@@ -178,7 +178,10 @@ def save(run: Run) -> None:
         "rng": run.rng.state_dict(),
     }
     meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict()}
-    checkpoint.save(run.engine, run.cfg.train.save, run.iteration, client, meta)
+    t = run.cfg.train
+    checkpoint.save(
+        run.engine, t.save, run.iteration, client, meta, t.most_recent_k, t.save_retain_interval
+    )
 
 
 def resume(run: Run) -> bool:

@@ -204,6 +204,10 @@ def _data(cfg: Config, e: list[str]) -> None:
                 parse(value)
             except ValueError as exc:
                 e.append(str(exc))
+    if t.most_recent_k is not None and t.most_recent_k < 1:
+        e.append(f"most_recent_k={t.most_recent_k} must be >= 1 (the newest is always kept)")
+    if t.save_retain_interval is not None and t.save_retain_interval < 1:
+        e.append(f"save_retain_interval={t.save_retain_interval} must be >= 1")
     if t.save_interval and not t.save:
         e.append(f"save_interval={t.save_interval} needs save (--save DIR)")
 

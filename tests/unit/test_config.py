@@ -59,6 +59,7 @@ BAD = [
     (dict(data=dict(data_path=("0", "A", "0", "B"))), 1, "the weights sum to zero"),
     (dict(data=dict(data_path=("0.5", "A", "B"))), 1, "a blend is 'weight prefix' pairs"),
     (dict(optim=dict(lr_wsd_decay_style="cubic")), 1, "lr_wsd_decay_style='cubic' must be one"),
+    (dict(train=dict(most_recent_k=0)), 1, "most_recent_k=0 must be >= 1"),
     (dict(optim=dict(min_lr=1.0)), 1, "min_lr <= lr"),
     (dict(fp8=dict(fp8_recipe="bogus")), 1, "fp8_recipe='bogus' must be one of"),
     (
