@@ -88,7 +88,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (tp)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (pp; 1F1B schedule when > 1)")
     virtual_pipeline_model_parallel_size: int | None = _f(
-        None, "virtual stages per pipeline rank (interleaved schedule: not available yet)"
+        None, "model chunks per pipeline rank (v > 1: the interleaved 1F1B schedule)"
     )
     decoder_first_pipeline_num_layers: int | None = _f(
         None, "layers of the first pipeline stage (None: an even split)"

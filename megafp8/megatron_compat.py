@@ -7,7 +7,8 @@ what it does here), and ``resolve`` turns the parsed values into config values, 
 Flags that are config fields themselves (``--num-layers``, ``--fp8-format``, ...) are not here.
 Sample-based schedule flags (``--train-samples``, ``--lr-warmup-samples``, ``--lr-decay-samples``)
 become iteration counts by dividing by the global batch size, as Megatron does with a constant
-batch; ``--lr-warmup-fraction`` becomes iterations of the decay span.
+batch; ``--lr-warmup-fraction`` becomes iterations of the decay span;
+``--num-layers-per-virtual-pipeline-stage n`` becomes v = num_layers / (pp x n) virtual stages.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ TABLE = [
     _f("lr-warmup-samples", int, "map", "lr_warmup_iters = samples / global batch"),
     _f("lr-decay-samples", int, "map", "lr_decay_iters = samples / global batch"),
     _f("lr-warmup-fraction", float, "map", "lr_warmup_iters = fraction x the decay iterations"),
+    _f(
+        "num-layers-per-virtual-pipeline-stage",
+        int,
+        "map",
+        "virtual_pipeline_model_parallel_size = num_layers / (pp x this) (interleaved 1F1B)",
+    ),
     _f(
         "group-query-attention",
         "switch",
@@ -128,12 +135,6 @@ TABLE = [
     _f("moe-aux-loss-coeff", float, "refuse", "mixture of experts is not available yet"),
     _f("moe-grouped-gemm", "switch", "refuse", "mixture of experts is not available yet"),
     _f("moe-token-dispatcher-type", str, "refuse", "mixture of experts is not available yet"),
-    _f(
-        "num-layers-per-virtual-pipeline-stage",
-        int,
-        "refuse",
-        "the interleaved pipeline schedule is not available yet (1F1B is: omit this flag)",
-    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}
@@ -195,8 +196,29 @@ def resolve(given: dict, values: dict) -> list[str]:
             raise ValueError(f"--lr-warmup-fraction {frac} must be in [0, 1]")
         span = _get(values, "lr_decay_iters") or _get(values, "train_iters")
         values["lr_warmup_iters"] = int(frac * int(span))
+    if given.get("num_layers_per_virtual_pipeline_stage") is not None:
+        values["virtual_pipeline_model_parallel_size"] = _virtual(
+            given["num_layers_per_virtual_pipeline_stage"], values
+        )
     _checks(given, values)
     return notices
+
+
+def _virtual(n: int, values: dict) -> int:
+    """Megatron's --num-layers-per-virtual-pipeline-stage n: v = num_layers / (pp x n)."""
+    layers, pp = int(_get(values, "num_layers")), int(_get(values, "pipeline_model_parallel_size"))
+    if n < 1 or layers % (pp * n):
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {n}: num_layers={layers} must be a multiple "
+            f"of pipeline_model_parallel_size={pp} x {n}"
+        )
+    v, given_v = layers // (pp * n), _get(values, "virtual_pipeline_model_parallel_size")
+    if given_v is not None and int(given_v) != v:
+        raise ValueError(
+            f"--num-layers-per-virtual-pipeline-stage {n} gives virtual_pipeline_model_parallel_"
+            f"size={v} (num_layers={layers} / (pp={pp} x {n})), but {given_v} was given"
+        )
+    return v
 
 
 def _checks(given: dict, values: dict) -> None:

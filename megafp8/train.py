@@ -2,9 +2,10 @@
 
 One iteration = the micro-batches of the global batch through the layout's schedule
 (``parallel/pipeline/schedules.py``: gradient accumulation at pp = 1, 1F1B across pipeline
-stages), each through the DeepSpeed engine (forward, backward, step per micro-batch; DeepSpeed
-steps the optimizer at the accumulation boundary). The FP8 backend's amax reduction runs after
-each micro-batch (under pipelining: after each forward and each backward, per scaling role).
+stages, interleaved 1F1B over virtual stages), each through the DeepSpeed engine (forward,
+backward, step per micro-batch; DeepSpeed steps the optimizer at the accumulation boundary).
+The FP8 backend's amax reduction runs after each micro-batch (under pipelining: after each
+forward and each backward, per scaling role).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from megafp8 import checkpoint, metrics
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import build_backend
-from megafp8.model.gpt import GPTModel
+from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
 from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
-from megafp8.parallel.pipeline.stages import stage_of
 from megafp8.parallel.random import model_parallel_seed
 from megafp8.run_hooks import RunHooks, Signals
 from megafp8.validate import validate
@@ -40,7 +40,7 @@ log = logging.getLogger("megafp8")
 class Run:
     cfg: Config
     groups: ParallelGroups
-    model: GPTModel
+    model: GPTModel | GPTModelChunks
     engine: object
     backend: object
     rng: object
@@ -110,14 +110,8 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         tp_group=groups.tp_group,
         attention_backend=cfg.model.attention_backend,
     )
-    model = GPTModel(
-        cfg,
-        backend=backend,
-        groups=groups,
-        vocab_size=cfg.model.vocab_size,
-        device=device,
-        rng=rng,
-        stage=stage_of(cfg, groups.coords.pp),
+    model = build_model(
+        cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng
     )
     engine = build_engine(model, cfg, groups)
     data = build_data_iterators(

@@ -86,10 +86,17 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
     if ep > 1:
         e.append(f"expert_model_parallel_size={ep}: expert parallelism (MoE) is not available yet")
     vpp = p.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
+    if vpp is not None and vpp > 1 and pp == 1:
         e.append(
-            f"virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is not "
-            "available yet (1F1B is: leave it unset)"
+            f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
+            "(the interleaved schedule splits each pipeline rank's layers into virtual stages)"
+        )
+    uneven = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if vpp is not None and vpp > 1 and any(n is not None for n in uneven):
+        e.append(
+            f"virtual_pipeline_model_parallel_size={vpp} with decoder_first_pipeline_num_layers="
+            f"{uneven[0]} / decoder_last_pipeline_num_layers={uneven[1]}: uneven stages are not "
+            "available with the interleaved schedule"
         )
     if pp > 1 and cfg.optim.zero_stage == 3:
         e.append(
@@ -129,6 +136,14 @@ def _model(cfg: Config, e: list[str]) -> None:
     if m.seq_length > m.max_positions:
         e.append(f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_positions}")
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1 and pp > 1:
+        if m.num_layers % (pp * vpp):
+            e.append(
+                f"num_layers={m.num_layers} is not divisible by pipeline_model_parallel_size={pp} "
+                f"x virtual_pipeline_model_parallel_size={vpp}"
+            )
+        return
     if first is None and last is None and pp > m.num_layers:
         e.append(f"pipeline_model_parallel_size={pp} is larger than num_layers={m.num_layers}")
     elif first is None and last is None and m.num_layers % pp:
@@ -180,6 +195,17 @@ def _batch(cfg: Config, dp: int, e: list[str]) -> None:
         e.append(
             f"global_batch_size={gbs} is not divisible by micro_batch_size={t.micro_batch_size} "
             f"x data-parallel size {dp}"
+        )
+        return
+    p = cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    m = gbs // (t.micro_batch_size * dp)
+    if vpp > 1 and pp > 1 and m % pp:
+        e.append(
+            f"virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule needs the "
+            f"micro-batches per iteration (global_batch_size={gbs} / (micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel size {dp}) = {m}) to be a multiple of "
+            f"pipeline_model_parallel_size={pp}"
         )
 
 

@@ -26,7 +26,7 @@ from megafp8.parallel.layers import (
     param_seed,
     vocab_parallel_cross_entropy,
 )
-from megafp8.parallel.pipeline.stages import Stage
+from megafp8.parallel.pipeline.stages import Stage, chunk_stages, virtual_size
 from megafp8.parallel.random import TP_STREAM
 
 
@@ -197,3 +197,36 @@ class GPTModel(nn.Module):
             else:
                 x = F.dropout(x, p, True)
         return x
+
+
+class GPTModelChunks(nn.Module):
+    """The interleaved schedule's model on one pipeline rank: its v chunks (``GPTModel`` over the
+    virtual stages of ``parallel/pipeline/stages.py: chunk_stages``) in one ``nn.ModuleList``, so
+    one DeepSpeed engine (and ZeRO) holds every parameter of the rank. ``forward(..., chunk=c)``
+    runs chunk c; parameter names are ``chunks.<c>.`` + the one-process name."""
+
+    def __init__(self, chunks: list[GPTModel]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.padded_vocab = chunks[0].padded_vocab
+
+    def forward(self, tokens, labels=None, loss_mask=None, hidden=None, chunk: int = 0):
+        return self.chunks[chunk](tokens, labels, loss_mask, hidden=hidden)
+
+
+def build_model(cfg: Config, *, backend, groups, vocab_size: int, device=None, rng=None):
+    """This pipeline rank's model: the ``GPTModel`` of its stage, or under the interleaved
+    schedule the ``GPTModelChunks`` of its v chunks."""
+    models = [
+        GPTModel(
+            cfg,
+            backend=backend,
+            groups=groups,
+            vocab_size=vocab_size,
+            device=device,
+            rng=rng,
+            stage=st,
+        )
+        for st in chunk_stages(cfg, groups.coords.pp)
+    ]
+    return models[0] if virtual_size(cfg) == 1 else GPTModelChunks(models)

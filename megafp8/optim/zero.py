@@ -72,6 +72,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = 
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
+            if name.startswith("chunks."):  # GPTModelChunks: "chunks.<c>." + the model's name
+                name = name.split(".", 2)[2]
             key = (p.ndim >= 2, decoupled and name in DECOUPLED)
             groups.setdefault(key, []).append(p)
     return [

@@ -45,3 +45,18 @@ def test_torchrun_pp2_tp2_prints_the_one_process_losses():
     for a, b in zip(got, ref, strict=True):
         assert a == pytest.approx(b, rel=2e-5), (got, ref)
     assert ref[4] < ref[0] and len(got) == 6
+
+
+@pytest.mark.slow
+def test_torchrun_interleaved_pp2_prints_the_one_process_losses():
+    """Megatron's --num-layers-per-virtual-pipeline-stage 1 with 4 layers at pp 2: v = 2 chunks
+    per rank (interleaved 1F1B); the training losses and the validation loss (forward only
+    around the ring of chunks) equal one process's: bit-identical forwards, then the tied
+    embedding's reassociated gradient sum under Adam (2e-5, as above)."""
+    layers = ["--num-layers", "4", "--eval-interval", "5", "--eval-iters", "2"]
+    ref = _run(layers)
+    got = _run(layers + ["--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"], 2)  # fmt: skip
+    assert got[0] == ref[0]
+    for a, b in zip(got, ref, strict=True):
+        assert a == pytest.approx(b, rel=2e-5), (got, ref)

@@ -94,7 +94,7 @@ PP2 = dict(pipeline_model_parallel_size=2)
         (
             dict(parallel=dict(virtual_pipeline_model_parallel_size=2, **PP2)),
             2,
-            "virtual_pipeline_model_parallel_size=2: the interleaved schedule is not available",
+            "num_layers=2 is not divisible by pipeline_model_parallel_size=2 x virtual",
         ),
         (dict(parallel=PP2, optim=dict(zero_stage=3)), 2, "zero_stage=3 with pipeline"),
         (

@@ -19,14 +19,18 @@ TAG_ACTIVATION, TAG_GRAD, TAG_TIED = 1, 2, 3
 
 
 class Pipe:
-    """This rank's links to the previous and next stage of its pipeline."""
+    """This rank's links to the previous and next stage of its pipeline. With ``ring`` (the
+    interleaved schedule) the last rank's next is the first rank and the first rank's previous
+    the last: virtual stage ``c x pp + pp - 1`` (rank pp - 1, chunk c) feeds ``(c + 1) x pp``
+    (rank 0, chunk c + 1). Each rank sends its chunks' outputs in one order (the same on every
+    rank) and its neighbour receives them in that order, so one tag per direction suffices."""
 
-    def __init__(self, groups, shape: tuple[int, ...], dtype, device):
+    def __init__(self, groups, shape: tuple[int, ...], dtype, device, ring: bool = False):
         pp_ranks = groups.ranks["pp"]  # global ranks of this pipeline, stage order
-        k = groups.coords.pp
+        k, n = groups.coords.pp, len(pp_ranks)
         self.group, self.shape, self.dtype, self.device = groups.pp_group, shape, dtype, device
-        self.prev = pp_ranks[k - 1] if k > 0 else None
-        self.next = pp_ranks[k + 1] if k + 1 < len(pp_ranks) else None
+        self.prev = pp_ranks[(k - 1) % n] if k > 0 or ring else None
+        self.next = pp_ranks[(k + 1) % n] if k + 1 < n or ring else None
         self.pending: list = []  # send requests (with their tensors, kept alive until done)
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ turn. ``one_f_one_b`` (pp > 1), Megatron's non-interleaved schedule: stage k run
 ``min(pp - k - 1, m)`` warm-up forwards, then alternates one forward and one backward, then
 drains the remaining backwards, so at most ``pp - k`` micro-batches are in flight on stage k. The
 order of events is a pure function (``one_f_one_b_order``) that the tests compare with the
-published table; ``run_schedule`` executes any such order.
+published table; ``run_schedule`` executes any such order. With virtual stages (a model of
+``GPTModelChunks``) ``train_iteration`` runs the interleaved schedule (``interleaved.py``).
 
 DeepSpeed owns the optimizer on every stage: the last stage backward-s its loss through the
 engine (scaled by 1/m as one process); a stage before it backward-s the scalar surrogate
@@ -110,14 +111,14 @@ def activation_shape(cfg, tp: int) -> tuple[int, int, int]:
     return (s, cfg.train.micro_batch_size, cfg.model.hidden_size)
 
 
-def make_pipe(run) -> p2p.Pipe:
+def make_pipe(run, ring: bool = False) -> p2p.Pipe:
     dtype = torch.bfloat16 if run.cfg.train.bf16 else torch.float32
-    return p2p.Pipe(run.groups, activation_shape(run.cfg, run.groups.tp), dtype, run.device)
+    shape = activation_shape(run.cfg, run.groups.tp)
+    return p2p.Pipe(run.groups, shape, dtype, run.device, ring=ring)
 
 
 def _tied(run) -> bool:
-    st = run.model.stage
-    return st.pp > 1 and not run.cfg.model.untie_embeddings_and_output_weights
+    return run.groups.pp > 1 and not run.cfg.model.untie_embeddings_and_output_weights
 
 
 def one_f_one_b(run, train_iter, hooks=None, record: dict | None = None):
@@ -133,6 +134,7 @@ def run_schedule(run, order, batches, hooks=None, record=None):
     eng, st, g, m = run.engine, run.model.stage, run.groups, len(batches)
     batches = [to_device(b, run.device) for b in batches]
     per_token = run.cfg.train.calculate_per_token_loss
+    weights = counts = n_total = None
     if per_token and st.last:
         weights, counts, n_total = _token_weights(batches, g, m)
     pipe, pending = make_pipe(run), {}
@@ -168,18 +170,34 @@ def run_schedule(run, order, batches, hooks=None, record=None):
         _share_tied_weight(run)
     if record is not None:
         record.update(events=events, max_in_flight=peak)
+    return finish_iteration(run, st.last, total, n_total, m)
+
+
+def pipeline_loss(run, last: bool, total, n_total, m: int) -> float:
+    """On every rank: the last stage's mean loss (per token when ``n_total`` is given),
+    DP-averaged, broadcast over the pipeline."""
+    g = run.groups
     loss = torch.zeros((), dtype=torch.float64, device=run.device)
-    if st.last:
-        mean = total / n_total if per_token else total / m
-        loss += dp_mean(mean, g) * (g.dp if per_token else 1)
+    if last:
+        mean = total / n_total if n_total is not None else total / m
+        loss += dp_mean(mean, g) * (g.dp if n_total is not None else 1)
     dist.broadcast(loss, src=g.ranks["pp"][-1], group=g.pp_group)
-    gn = eng.get_global_grad_norm()
-    return float(loss), float(gn) if gn is not None else None
+    return float(loss)
 
 
-def _backward(run, pipe, y, last_mb: bool) -> None:
-    """One micro-batch's backward through the engine (loss, or surrogate on earlier stages)."""
-    eng, st, model = run.engine, run.model.stage, run.model
+def finish_iteration(run, last: bool, total, n_total, m: int) -> tuple[float, float | None]:
+    """(loss, grad norm), the same on every rank."""
+    gn = run.engine.get_global_grad_norm()
+    return pipeline_loss(run, last, total, n_total, m), float(gn) if gn is not None else None
+
+
+def _backward(run, pipe, y, last_mb: bool, model=None) -> None:
+    """One micro-batch's backward through the engine (loss, or surrogate on earlier stages).
+    ``model``: the stage (or, interleaved, the chunk) that ran the forward; ``last_mb``: its
+    last backward of the iteration."""
+    eng = run.engine
+    model = run.model if model is None else model
+    st = model.stage
     if st.last:
         eng.backward(y)
         if last_mb and _tied(run):  # the copy's gradient goes to the first stage's weight
@@ -196,13 +214,14 @@ def _backward(run, pipe, y, last_mb: bool) -> None:
     eng.backward(surrogate, scale_wrt_gas=False)
 
 
-def _share_tied_weight(run) -> None:
+def _share_tied_weight(run, model=None) -> None:
     """After the step: the first stage's updated word embedding -> the last stage's copy."""
-    st, g = run.model.stage, run.groups
+    model = run.model if model is None else model
+    st, g = model.stage, run.groups
     if st.first:
-        w = run.model.embedding.weight
+        w = model.embedding.weight
     elif st.last:
-        w = run.model.tied_output_weight
+        w = model.tied_output_weight
     else:
         return
     dist.broadcast(w.detach(), src=g.ranks["emb"][0], group=g.embedding_group)
@@ -212,13 +231,26 @@ def train_iteration(run, train_iter, hooks=None) -> tuple[float, float | None]:
     """The schedule for this layout: one iteration; (loss, grad norm) on every rank."""
     if run.groups.pp == 1:
         return no_pipelining(run, train_iter, hooks)
+    if is_interleaved(run):
+        from megafp8.parallel.pipeline.interleaved import interleaved_one_f_one_b
+
+        return interleaved_one_f_one_b(run, train_iter, hooks)
     return one_f_one_b(run, train_iter, hooks)
+
+
+def is_interleaved(run) -> bool:
+    """The model is ``GPTModelChunks`` (virtual stages)."""
+    return getattr(run.model, "chunks", None) is not None
 
 
 @torch.no_grad()
 def forward_only(run, batches) -> float:
     """Evaluation: the mean loss of ``batches`` (every stage passes them through in order), the
     DP mean, known on every rank."""
+    if is_interleaved(run):
+        from megafp8.parallel.pipeline.interleaved import forward_only_chunks
+
+        return forward_only_chunks(run, batches)
     st, g = run.model.stage, run.groups
     pipe = make_pipe(run) if g.pp > 1 else None
     total = torch.zeros((), device=run.device)

@@ -7,6 +7,13 @@ holds the word (and position) embedding; the last holds the final norm, the outp
 loss. Layers keep their global index (in parameter names, seeds and FP8 scaling names), so stage
 ``k`` holds exactly the single-process weights of its layers.
 
+Interleaved schedule (``virtual_pipeline_model_parallel_size`` v > 1): the layers are split into
+``pp x v`` consecutive blocks, the virtual stages; pipeline rank ``r`` holds v model chunks, chunk
+``c`` being virtual stage ``c x pp + r`` (Megatron's assignment: rank r gets blocks r, r + pp,
+r + 2 pp, ...). Virtual stage 0 (rank 0, chunk 0) holds the embedding, the last one (rank pp - 1,
+chunk v - 1) the final norm, output layer and loss. A chunk is a ``Stage`` over the ``pp x v``
+virtual stages, so the model builds it as it builds a stage.
+
 The tied word embedding: the last stage keeps a copy used as the output layer (same seed, same
 values); the embedding group (first + last stage of each pipeline, ``ParallelGroups``) keeps the
 two copies identical (``schedules.py``).
@@ -19,7 +26,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Stage:
-    """Stage ``rank`` of ``pp``: its global layer indices ``layers`` (consecutive)."""
+    """Stage ``rank`` of ``pp``: its global layer indices ``layers`` (consecutive). Under the
+    interleaved schedule a model chunk: ``rank`` is its virtual stage, ``pp`` = pp x v."""
 
     rank: int
     pp: int
@@ -83,3 +91,29 @@ def stage_of(cfg, pp_rank: int) -> Stage:
     )
     start = sum(counts[:pp_rank])
     return Stage(pp_rank, pp, tuple(range(start, start + counts[pp_rank])))
+
+
+def virtual_size(cfg) -> int:
+    """v: model chunks per pipeline rank (1 without the interleaved schedule)."""
+    return cfg.parallel.virtual_pipeline_model_parallel_size or 1
+
+
+def chunk_stages(cfg, pp_rank: int) -> list[Stage]:
+    """This pipeline rank's model chunks, in chunk order: chunk ``c`` is virtual stage
+    ``c x pp + pp_rank`` of ``pp x v``, holding the ``num_layers / (pp x v)`` layers of that block.
+    Without virtual stages: ``[stage_of(cfg, pp_rank)]``."""
+    v, pp = virtual_size(cfg), cfg.parallel.pipeline_model_parallel_size
+    if v == 1:
+        return [stage_of(cfg, pp_rank)]
+    n_stages, n_layers = pp * v, cfg.model.num_layers
+    if n_layers % n_stages:
+        raise ValueError(
+            f"num_layers={n_layers} is not divisible by pipeline_model_parallel_size={pp} "
+            f"x virtual_pipeline_model_parallel_size={v}"
+        )
+    each = n_layers // n_stages
+    out = []
+    for c in range(v):
+        k = c * pp + pp_rank
+        out.append(Stage(k, n_stages, tuple(range(k * each, (k + 1) * each))))
+    return out
