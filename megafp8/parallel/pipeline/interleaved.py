@@ -28,12 +28,11 @@ from __future__ import annotations
 import torch
 
 from megafp8.parallel.pipeline.schedules import (
-    BACKWARD_ROLES,
     FORWARD_ROLES,
-    _backward,
     _share_tied_weight,
     _tied,
     _token_weights,
+    backward_step,
     finish_iteration,
     make_pipe,
     pipeline_loss,
@@ -103,14 +102,8 @@ def run_interleaved(run, order, batches, hooks=None, record=None):
         x, y = pending.pop((c, j))
         done += 1
         eng.set_gradient_accumulation_boundary(done == n_backward)
-        _backward(run, pipe, y, last_mb=j == m - 1, model=chunks[c])
-        run.backend.update(BACKWARD_ROLES)
-        if not st.first:
-            pipe.send_backward(x.grad)
+        backward_step(run, pipe, x, y, j == m - 1, chunks[c], hooks)
         in_flight -= 1
-        eng.step()
-        if hooks is not None:
-            hooks.after_microbatch()
     pipe.drain()
     if _tied(run):  # rank 0 chunk 0 holds the embedding, rank pp - 1 chunk v - 1 the copy
         _share_tied_weight(run, chunks[0] if g.coords.pp == 0 else chunks[-1])

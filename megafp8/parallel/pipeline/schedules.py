@@ -157,14 +157,8 @@ def run_schedule(run, order, batches, hooks=None, record=None):
             peak = max(peak, in_flight)
             continue
         x, y = pending.pop(j)
-        _backward(run, pipe, y, last_mb=j == m - 1)
-        run.backend.update(BACKWARD_ROLES)
-        if not st.first:
-            pipe.send_backward(x.grad)
+        backward_step(run, pipe, x, y, j == m - 1, run.model, hooks)
         in_flight -= 1
-        eng.step()
-        if hooks is not None:
-            hooks.after_microbatch()
     pipe.drain()
     if _tied(run):
         _share_tied_weight(run)
@@ -189,6 +183,18 @@ def finish_iteration(run, last: bool, total, n_total, m: int) -> tuple[float, fl
     """(loss, grad norm), the same on every rank."""
     gn = run.engine.get_global_grad_norm()
     return pipeline_loss(run, last, total, n_total, m), float(gn) if gn is not None else None
+
+
+def backward_step(run, pipe, x, y, last_mb: bool, model, hooks) -> None:
+    """A scheduled backward: the engine backward, the gradient-role scale update, the input
+    gradient to the previous stage, the engine step (DeepSpeed steps at the boundary)."""
+    _backward(run, pipe, y, last_mb=last_mb, model=model)
+    run.backend.update(BACKWARD_ROLES)
+    if not model.stage.first:
+        pipe.send_backward(x.grad)
+    run.engine.step()
+    if hooks is not None:
+        hooks.after_microbatch()
 
 
 def _backward(run, pipe, y, last_mb: bool, model=None) -> None:
