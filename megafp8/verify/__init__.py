@@ -95,6 +95,9 @@ def _layout(cfg: Config, processes: int | None, dp: int | None) -> tuple[int, in
     return tp, pp, dp
 
 
+MIN_FP8_STEPS = 3  # below this the FP8 yardstick can be too small (a false FAIL was seen at 2)
+
+
 def plan(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     """Options and flags -> the runs to make; ValueError (with the values) on bad input."""
     opts, rest = _option_parser().parse_known_args(argv)
@@ -102,6 +105,12 @@ def plan(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
         raise ValueError(f"--tolerance={opts.tolerance} must be > 0")
     notices: list[str] = []
     user = parse_args(rest, notices=notices)
+    if user.fp8.enabled and opts.tolerance is None and 1 <= opts.steps < MIN_FP8_STEPS:
+        raise ValueError(
+            f"--steps={opts.steps} under FP8: the bound is the one-process FP8-vs-fp32 gap, a "
+            f"signed loss difference that can nearly cancel at one step; give --steps "
+            f">= {MIN_FP8_STEPS} (or a --tolerance of your own)"
+        )
     tp, pp, dp = _layout(user, opts.processes, opts.data_parallel_size)
     device = device_for(tp * pp * dp)
     cfg, notes = comparable(user, opts.steps, on_cpu=device == "cpu")

@@ -79,6 +79,10 @@ def test_a_different_run_fails(capsys):
         (["--tensor-model-parallel-size", "2", "--processes", "3"], "--processes=3"),
         (["--data-parallel-size", "2", "--steps", "0"], "--steps=0"),
         (["--data-parallel-size", "2", "--tolerance", "0"], "--tolerance=0"),
+        (
+            ["--data-parallel-size", "2", "--fp8-format", "hybrid", "--steps", "2"],
+            "--steps=2 under FP8",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, args, message):
