@@ -85,7 +85,12 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         timeout = datetime.timedelta(minutes=cfg.train.distributed_timeout_minutes)
-        dist.init_process_group(backend, timeout=timeout)
+        if os.environ["WORLD_SIZE"] == "1":  # one process: an in-process store, no TCP server
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     p = cfg.parallel
     groups = ParallelGroups.build(
