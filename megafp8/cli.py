@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"[{sec}] {desc}",
                 )
         elif base is tuple:
-            p.add_argument(flag, dest=name, nargs="+", default=None, help=f"[{sec}] {desc}")
+            dflt = f" (default: {f.default!r})" if f.default else ""
+            p.add_argument(flag, dest=name, nargs="+", default=None, help=f"[{sec}] {desc}{dflt}")
         else:
             choices = f.metadata["choices"]
             p.add_argument(

@@ -65,6 +65,20 @@ class ModelConfig:
         "auto", "te backend's attention kernels (torch: SDPA picks its own)",
         ("auto", "flash", "fused", "unfused", "local"),
     )  # fmt: skip
+    recompute_granularity: str | None = _f(
+        None, "activation recompute: full (whole layers) or selective (--recompute-modules)",
+        (None, "full", "selective"),
+    )  # fmt: skip
+    recompute_method: str | None = _f(
+        None, "full recompute: uniform (groups of --recompute-num-layers layers) or block "
+        "(the first --recompute-num-layers layers of each stage)", (None, "uniform", "block"),
+    )  # fmt: skip
+    recompute_num_layers: int | None = _f(
+        None, "full recompute: layers per group (uniform) or layers recomputed per stage (block)"
+    )
+    recompute_modules: tuple[str, ...] = _f(
+        ("core_attn",), "selective recompute: any of core_attn, mlp, layernorm"
+    )
 
     @property
     def ffn(self) -> int:

@@ -56,6 +56,12 @@ TABLE = [
         "map",
         "GQA with --num-query-groups (which alone suffices here)",
     ),
+    _f(
+        "recompute-activations",
+        "switch",
+        "map",
+        "selective recompute (--recompute-granularity selective)",
+    ),
     _f("no-position-embedding", "switch", "check", "accepted with rope (which has no table)"),
     _f("kv-channels", int, "check", "must equal hidden_size / num_attention_heads"),
     _f("rotary-percent", float, "check", "must be 1.0 (the whole head dim rotates)"),
@@ -104,6 +110,12 @@ TABLE = [
     _f("no-bias-gelu-fusion", "switch", "notice", "the activation is torch's or TE's"),
     _f("no-bias-dropout-fusion", "switch", "notice", "dropout and residual add are torch ops"),
     _f("no-rope-fusion", "switch", "notice", "RoPE comes from the backend"),
+    _f(
+        "distribute-saved-activations",
+        "switch",
+        "notice",
+        "full recompute keeps each region's input whole on every TP rank",
+    ),
     # refused: not available, or what to use instead
     _f(
         "fp16",
@@ -196,6 +208,8 @@ def resolve(given: dict, values: dict) -> list[str]:
             raise ValueError(f"--lr-warmup-fraction {frac} must be in [0, 1]")
         span = _get(values, "lr_decay_iters") or _get(values, "train_iters")
         values["lr_warmup_iters"] = int(frac * int(span))
+    if given.get("recompute_activations"):
+        values.setdefault("recompute_granularity", "selective")
     if given.get("num_layers_per_virtual_pipeline_stage") is not None:
         values["virtual_pipeline_model_parallel_size"] = _virtual(
             given["num_layers_per_virtual_pipeline_stage"], values

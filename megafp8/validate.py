@@ -17,9 +17,10 @@ from megafp8.config import (
     parse_data_path,
     parse_split,
 )
-from megafp8.parallel.pipeline.stages import layer_counts
+from megafp8.parallel.pipeline.stages import chunk_stages, layer_counts
 
 FP8_GEMM_MULTIPLE = 16  # TE and cuBLASLt FP8 kernels need GEMM dims divisible by 16
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 
 def _values(cfg: Config, world_size: int, e: list[str]) -> None:
@@ -158,6 +159,40 @@ def _model(cfg: Config, e: list[str]) -> None:
             e.append(str(exc))
 
 
+def _recompute(cfg: Config, e: list[str]) -> None:
+    """Megatron's rules: full needs a method and a layer count that fits every stage (or model
+    chunk); selective takes neither; modules are ones this model has."""
+    m = cfg.model
+    g, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    bad = [x for x in m.recompute_modules if x not in RECOMPUTE_MODULES]
+    if bad:
+        e.append(f"recompute_modules={list(m.recompute_modules)}: {bad} not in {RECOMPUTE_MODULES}")
+    if g != "full" and (method is not None or n is not None):
+        e.append(
+            f"recompute_method={method!r} / recompute_num_layers={n} need "
+            f"recompute_granularity='full' (got {g!r})"
+        )
+    if g != "full":
+        return
+    if method is None or n is None:
+        e.append(
+            f"recompute_granularity='full' needs recompute_method (uniform or block) and "
+            f"recompute_num_layers (got {method!r} and {n})"
+        )
+        return
+    try:
+        stages = [c for r in range(cfg.parallel.pipeline_model_parallel_size)
+                  for c in chunk_stages(cfg, r)]  # fmt: skip
+    except ValueError:
+        return  # the layout rules name that problem
+    fewest = min(len(s.layers) for s in stages)
+    if not 1 <= n <= max(1, fewest):
+        e.append(
+            f"recompute_num_layers={n} must be in [1, {fewest}] (the fewest layers a pipeline "
+            "stage or model chunk holds)"
+        )
+
+
 def _fp8(cfg: Config, e: list[str]) -> None:
     """FP8 GEMM dims (local to each TP rank) and token counts are multiples of 16."""
     m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
@@ -250,6 +285,7 @@ def validate(cfg: Config, world_size: int) -> int:
     _layout(cfg, world_size, e)
     dp = max(1, data_parallel_size(cfg, world_size))
     _model(cfg, e)
+    _recompute(cfg, e)
     _fp8(cfg, e)
     _batch(cfg, dp, e)
     _optim(cfg, e)

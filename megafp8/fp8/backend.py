@@ -11,9 +11,10 @@ front of a GEMM, the norms, core attention, rotary embedding, a fused MLP) are b
   outside the tests that imports Transformer Engine.
 
 A backend also wraps the model's forward in its autocast (``autocast``), is told each micro-batch's
-index before its forward (``microbatch``) and steps its scaling state after its backward
-(``update``). Process groups are always passed in; a layer with no parallelism passes
-``mappings.SOLO``, never ``None``.
+index before its forward (``microbatch``), steps its scaling state after its backward
+(``update``), and checkpoints a region for activation recompute (``checkpoint``: its FP8 state
+replayed, never updated twice). Process groups are always passed in; a layer with no
+parallelism passes ``mappings.SOLO``, never ``None``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megafp8.parallel.mappings import world
@@ -174,6 +176,26 @@ class Backend:
     def autocast(self):
         return contextlib.nullcontext()
 
+    def checkpoint(self, fn, *args, contexts=()):
+        """``fn(*args)`` keeping only ``args`` for the backward, in which ``fn`` runs again
+        (activation recompute). ``contexts``: callables that return a (forward, recompute) pair
+        of context managers for the region, e.g. ``RngTracker.recompute_contexts``; torch's
+        checkpoint replays the default RNG streams itself."""
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, context_fn=self._context_fn(contexts)
+        )
+
+    def recompute_contexts(self):
+        """This backend's own (forward, recompute) pair for a checkpointed region."""
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    def _context_fn(self, contexts):
+        def context_fn():  # once per checkpointed call
+            pairs = [make() for make in contexts] + [self.recompute_contexts()]
+            return _all_of([f for f, _ in pairs]), _all_of([r for _, r in pairs])
+
+        return context_fn
+
     def microbatch(self, index: int | None) -> None:
         """Before each micro-batch's forward: its index within the iteration (``None`` outside
         training, e.g. evaluation)."""
@@ -187,6 +209,14 @@ class Backend:
 
     def load_state_dict(self, sd: dict) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _all_of(managers):
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
 
 
 def resolve_backend_name(f) -> str:

@@ -14,10 +14,16 @@ Current scaling ("tensorwise"): the scale comes from the tensor's own amax at ca
 reduced over
 the group that holds shards of it (the TP group), so every shard shares one scale.
 Formats: E4M3 everywhere, or HYBRID (E4M3 forward: activations and weights; E5M2 gradients).
+
+Activation recompute: a checkpointed region's forward runs under ``Fp8State.recording(tape)``,
+which keeps the scale each cast used, in order; its recomputation in the backward runs under
+``Fp8State.replaying(tape)``, which casts with those same scales and records no amax. The
+recomputed FP8 values are then the first forward's, and the amax histories see each forward once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +77,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 class ScalingMeta:
     """Scaling state of one tensor role of one GEMM (input, weight or gradient)."""
 
-    def __init__(self, recipe: Fp8Recipe, role: str, device=None):
-        self.recipe, self.role = recipe, role
+    def __init__(self, recipe: Fp8Recipe, role: str, device=None, owner: Fp8State | None = None):
+        self.recipe, self.role, self.owner = recipe, role, owner
         self.dtype = recipe.dtype(role)
         self.fp8_max = FP8_MAX[self.dtype]
         n = recipe.amax_history_len if recipe.recipe == "delayed" else 1
@@ -89,6 +95,17 @@ class ScalingMeta:
         """Return ``(x_fp8, scale_inv)``. Current scaling reduces the amax over ``group`` now."""
         if self.amax_history.device != x.device:
             self.to(x.device)
+        tape = self.owner.tape if self.owner is not None else None
+        if tape is not None and tape.replay:  # a recomputed forward: the first forward's scale
+            scale = tape.next()
+            return cast_to_fp8(x, scale, self.dtype), scale.reciprocal()
+        scale = self._scale_for(x, group)
+        if tape is not None:
+            tape.scales.append(scale)
+        return cast_to_fp8(x, scale, self.dtype), scale.reciprocal()
+
+    def _scale_for(self, x: torch.Tensor, group) -> torch.Tensor:
+        """Record x's amax (delayed) or reduce it now (current); the scale to cast x with."""
         amax = x.detach().abs().amax().float()
         if self.recipe.recipe == "delayed":
             self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
@@ -100,7 +117,7 @@ class ScalingMeta:
             self.amax_history[0] = amax
             scale = compute_scale(amax, self.scale, self.fp8_max, self.recipe.margin)
             self.scale = scale
-        return cast_to_fp8(x, scale, self.dtype), scale.reciprocal()
+        return scale
 
     def update_from_history(self) -> None:
         """Delayed scaling, after slot 0 was reduced: new scale, then roll (slot 0 starts empty)."""
@@ -119,6 +136,23 @@ class ScalingMeta:
         self.scale = sd["scale"].to(self.scale)
 
 
+class ScaleTape:
+    """The scales of one checkpointed region's forward, in cast order (see the module doc)."""
+
+    def __init__(self):
+        self.scales: list[torch.Tensor] = []
+        self.replay, self._i = False, 0
+
+    def next(self) -> torch.Tensor:
+        if self._i >= len(self.scales):
+            raise RuntimeError(
+                f"recomputed forward casts more tensors to FP8 ({self._i + 1}) than the first "
+                f"forward did ({len(self.scales)})"
+            )
+        self._i += 1
+        return self.scales[self._i - 1]
+
+
 class Fp8State:
     """Every ScalingMeta of a model, and the amax reduction that keeps their scales in agreement.
 
@@ -131,12 +165,32 @@ class Fp8State:
         world(amax_group)  # required, even of size 1
         self.recipe, self.amax_group = recipe, amax_group
         self.metas: dict[str, ScalingMeta] = {}
+        self.tape: ScaleTape | None = None
 
     def meta(self, name: str, role: str) -> ScalingMeta:
         key = f"{name}.{role}"
         if key not in self.metas:
-            self.metas[key] = ScalingMeta(self.recipe, role)
+            self.metas[key] = ScalingMeta(self.recipe, role, owner=self)
         return self.metas[key]
+
+    @contextlib.contextmanager
+    def recording(self, tape: ScaleTape):
+        """A checkpointed region's forward: keep each cast's scale on ``tape``."""
+        saved, self.tape = self.tape, tape
+        try:
+            yield
+        finally:
+            self.tape = saved
+
+    @contextlib.contextmanager
+    def replaying(self, tape: ScaleTape):
+        """Its recomputation: cast with the kept scales, in the same order; record no amax."""
+        saved, self.tape = self.tape, tape
+        tape.replay, tape._i = True, 0
+        try:
+            yield
+        finally:
+            tape.replay, self.tape = False, saved
 
     def update(self, roles: tuple[str, ...] | None = None) -> None:
         """After a micro-batch's forward and backward: one MAX all-reduce of the new amaxes, then

@@ -164,6 +164,13 @@ class TEBackend(Backend):
             qkv_format="sbhd",
         )
 
+    def checkpoint(self, fn, *args, contexts=()):
+        # TE's checkpoint runs the recomputation in its recompute phase: the forward's FP8
+        # scaling state is reused and no amax is recorded again
+        return self.te.checkpoint(
+            fn, *args, use_reentrant=False, context_fn=self._context_fn(contexts)
+        )
+
     def microbatch(self, index: int | None) -> None:
         self.cache.first = None if index is None or not self.weight_cache else index == 0
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megafp8.fp8.backend import Backend, PlainLinear
-from megafp8.fp8.recipe import Fp8Recipe, Fp8State, ScalingMeta
+from megafp8.fp8.recipe import Fp8Recipe, Fp8State, ScaleTape, ScalingMeta
 from megafp8.parallel.mappings import world
 
 
@@ -121,6 +121,10 @@ class TorchBackend(Backend):
 
     def update(self, roles=None):
         self.state.update(roles)
+
+    def recompute_contexts(self):
+        tape = ScaleTape()  # the region's forward keeps its scales; the recompute casts with them
+        return self.state.recording(tape), self.state.replaying(tape)
 
     def state_dict(self):
         return self.state.state_dict()

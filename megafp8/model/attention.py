@@ -57,8 +57,10 @@ class SelfAttention(nn.Module):
         kv_group,
         rng=None,
         norm=None,
+        recompute=None,
     ):
         super().__init__()
+        self.recompute = recompute if recompute and recompute.selective("core_attn") else None
         m, sp = cfg.model, cfg.parallel.sequence_parallel
         tp_group = groups.tp_group
         tp, r = M.world(tp_group), M.rank_in(tp_group)
@@ -153,5 +155,8 @@ class SelfAttention(nn.Module):
             k, v = kv[:, :, 0:1], kv[:, :, 1:2]  # [s, b, 1, hd]
         if rope is not None:
             q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
-        ctx = self.core(q, k, v)  # [s, b, np*hd]
+        if self.recompute is not None:  # keep q, k, v; the attention runs again in backward
+            ctx = self.recompute(self.core, q, k, v)  # [s, b, np*hd]
+        else:
+            ctx = self.core(q, k, v)
         return self.proj(ctx)

@@ -52,9 +52,11 @@ class TransformerBlock(nn.Module):
         device,
         kv_group,
         rng=None,
+        recompute=None,
     ):
         super().__init__()
         m = cfg.model
+        self.recompute = recompute  # a Recompute plan (model/recompute.py), or None
         # Backends that fuse the norm into the next GEMM (TE's LayerNormLinear) get it there; not
         # under SP, where the norm must run on sequence shards before the all-gather.
         fuse = backend.fuses_norm and not cfg.parallel.sequence_parallel
@@ -70,7 +72,9 @@ class TransformerBlock(nn.Module):
             device=device,
         )
         self.norm1 = nn.Identity() if attn_norm else make_norm(cfg, backend, groups, dtype, device)
-        self.attn = SelfAttention(cfg, rng=rng, kv_group=kv_group, norm=attn_norm, **kw)
+        self.attn = SelfAttention(
+            cfg, rng=rng, kv_group=kv_group, norm=attn_norm, recompute=recompute, **kw
+        )
         self.norm2 = nn.Identity() if norm else make_norm(cfg, backend, groups, dtype, device)
         if norm and backend.fuses_mlp:
             fused = dict(groups=groups, layer=layer, seed=seed, fp8=fp8, dtype=dtype, device=device)
@@ -88,6 +92,14 @@ class TransformerBlock(nn.Module):
                 return F.dropout(x, self.p, True)
         return F.dropout(x, self.p, True)
 
+    def _part(self, name: str, module):
+        """``module``, or its checkpointed call when selective recompute names it."""
+        rc = self.recompute
+        if rc is None or not rc.selective(name) or isinstance(module, nn.Identity):
+            return module
+        return lambda *args: rc(module, *args)
+
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # [s(/tp), b, h]
-        x = x + self._drop(self.attn(self.norm1(x), rope))
-        return x + self._drop(self.mlp(self.norm2(x)))
+        norm1, norm2 = self._part("layernorm", self.norm1), self._part("layernorm", self.norm2)
+        x = x + self._drop(self.attn(norm1(x), rope))
+        return x + self._drop(self._part("mlp", self.mlp)(norm2(x)))

@@ -18,6 +18,7 @@ from torch import nn
 from megafp8.config import Config, padded_vocab_size
 from megafp8.model.attention import rope_tables
 from megafp8.model.block import TransformerBlock, make_norm
+from megafp8.model.recompute import Recompute
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import (
     VocabParallelEmbedding,
@@ -87,6 +88,7 @@ class GPTModel(nn.Module):
                     )
                 )
         kv_group = groups.kv_replica_group(m.kv_heads)
+        self.recompute = Recompute(cfg, backend, rng)
         # keyed by the global layer index: the names ("layers.5.attn...") are one process's
         self.layers = nn.ModuleDict(
             (
@@ -102,6 +104,7 @@ class GPTModel(nn.Module):
                     device=device,
                     rng=rng,
                     kv_group=kv_group,
+                    recompute=self.recompute,
                 ),
             )
             for i in stage.layers
@@ -162,8 +165,10 @@ class GPTModel(nn.Module):
         s = tokens.shape[1]
         x = self._embed(tokens) if self.stage.first else hidden  # [s(/tp), b, h]
         rope = self._rope(s, x.device) if self.cfg.model.position_embedding_type == "rope" else None
-        for layer in self.layers.values():
-            x = layer(x, rope)
+        layers = list(self.layers.values())
+        for idx, checkpointed in self.recompute.layer_groups(len(layers)):
+            run = _run_layers([layers[i] for i in idx])
+            x = self.recompute(run, x, *(rope or ())) if checkpointed else run(x, *(rope or ()))
         if not self.stage.last:
             return x
         x = self.final_norm(x)
@@ -197,6 +202,17 @@ class GPTModel(nn.Module):
             else:
                 x = F.dropout(x, p, True)
         return x
+
+
+def _run_layers(layers):
+    """The blocks ``layers`` in turn, as one function of (x, *rope tables)."""
+
+    def run(x, *rope):
+        for layer in layers:
+            x = layer(x, rope or None)
+        return x
+
+    return run
 
 
 class GPTModelChunks(nn.Module):

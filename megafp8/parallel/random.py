@@ -56,6 +56,28 @@ class RngTracker:
             self.states[name] = _get_state()
             _set_state(saved)
 
+    def recompute_contexts(self):
+        """(forward, recompute) context managers for one checkpointed region: the first keeps
+        the named streams as they are when the region's forward starts; the second runs the
+        recomputation from those states and puts the current ones back after it, so dropout in
+        the recomputed region draws what the first forward drew and the streams move on once."""
+        kept: dict[str, dict] = {}
+
+        @contextlib.contextmanager
+        def forward():
+            kept.update(self.states)  # each entry is replaced, never mutated, by fork()
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            now, self.states = self.states, dict(kept)
+            try:
+                yield
+            finally:
+                self.states = now
+
+        return forward(), recompute()
+
     def state_dict(self) -> dict:
         return {
             "streams": {k: dict(v) for k, v in self.states.items()},

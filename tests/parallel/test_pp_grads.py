@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.engine import PlainEngine
 from tests.helpers.tiny import tiny_config
 
 # Under PP alone every stage computes exactly the single-process ops on the same inputs, the
@@ -23,28 +24,6 @@ from tests.helpers.tiny import tiny_config
 # sums run in another order (~1e-7 relative per sum, ~1e-5 at worst through the blocks: as in
 # test_tp.py).
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-class PlainEngine:
-    """What the schedule uses of DeepSpeed's engine, without an optimizer."""
-
-    def __init__(self, module, gas):
-        self.module, self.gas = module, gas
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def gradient_accumulation_steps(self):
-        return self.gas
-
-    def backward(self, loss, scale_wrt_gas=True):
-        (loss / self.gas if scale_wrt_gas else loss).backward()
-
-    def step(self):
-        pass
-
-    def get_global_grad_norm(self):
-        return None
 
 
 def _run(cfg, groups, stage, m):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.engine import PlainEngine
 from tests.helpers.tiny import tiny_config
-from tests.parallel.test_pp_grads import FP32_TOL, PlainEngine, _batches, _run
+from tests.parallel.test_pp_grads import FP32_TOL, _batches, _run
 
 
 class BoundaryEngine(PlainEngine):
