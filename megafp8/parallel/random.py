@@ -20,8 +20,11 @@ TP_STREAM = "tensor-parallel"
 
 
 def _get_state() -> dict:
+    """The CPU and (where there is a GPU) the current device's generator states. The CUDA state
+    is read even before CUDA is initialized: ``torch.manual_seed`` seeds the GPU lazily, so a
+    stream seeded then and not saved would leave the GPU on that stream's seed."""
     st = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state()
     return st
 

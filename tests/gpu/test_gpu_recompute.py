@@ -84,3 +84,20 @@ def test_recompute_on_gpu_changes_nothing(backend, recompute):
     assert got[2] and got[2].keys() == ref[2].keys()
     for k, (scale, hist) in got[2].items():
         assert torch.equal(scale, ref[2][k][0]) and torch.equal(hist, ref[2][k][1]), k
+
+
+@cuda
+def test_default_gpu_stream_keeps_the_default_seed_in_a_fresh_process():
+    """Seeding the streams before anything touched CUDA (as a fresh training process does) leaves
+    the GPU's default generator on the default seed, the same on every TP rank: dropout on the
+    replicated residual stream must agree across TP ranks. A fresh process, since CUDA must not be
+    initialized before the seeding."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from megafp8.parallel.random import model_parallel_seed; "
+        "model_parallel_seed(1234, tp_rank=1, pp_rank=0); print(torch.cuda.initial_seed())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "1234"
