@@ -96,6 +96,19 @@ class SdpaAttention(nn.Module):
         return o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, np*hd]
 
 
+def rope_angles(seq: int, dim: int, base: float, device) -> torch.Tensor:
+    """position * base^(-2i/dim), fp32 [s, 1, 1, dim] (both halves alike)."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [s, d/2]
+    return torch.cat([ang, ang], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
+
+
+def rope_tables(seq: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the RoPE angles, each [s, 1, 1, dim]."""
+    ang = rope_angles(seq, dim, base, device)
+    return ang.cos(), ang.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [s, b, n, d]; rotate-half RoPE (Megatron's non-interleaved layout), in fp32."""
     d = x.shape[-1] // 2
@@ -169,9 +182,35 @@ class Backend:
         [s, b, np*hd]."""
         return SdpaAttention(heads, head_dim, kv_heads, dropout, rng)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary position embedding of q or k [s, b, n, d] with tables [s, 1, 1, d]."""
-        return apply_rope(x, cos, sin)
+    def rope_tables(self, seq: int, dim: int, base: float, device) -> tuple:
+        """What ``rope`` and ``split_qkv`` take for positions 0..seq-1 (here cos and sin)."""
+        return rope_tables(seq, dim, base, device)
+
+    def rope(self, x: torch.Tensor, *tables) -> torch.Tensor:
+        """Rotary position embedding of q or k [s, b, n, d] (``tables`` from ``rope_tables``)."""
+        return apply_rope(x, *tables)
+
+    def split_qkv(self, qkv: torch.Tensor, heads_per_group: int, rope=None):
+        """The grouped QKV GEMM's output [s, b, g, (hpg + 2) * hd] -> q [s, b, g * hpg, hd],
+        k and v [s, b, g, hd], RoPE applied to q and k when ``rope`` (tables) is given.
+
+        Views where the layout allows: split's backward writes the three gradients into one qkv
+        gradient in a single pass (indexing would zero-fill and add three full tensors), and TE's
+        attention reads the interleaved views in place. Grouped-query q is a copy (the heads of a
+        group are not adjacent to the next group's)."""
+        s, b, g = qkv.shape[:3]
+        hpg = heads_per_group
+        hd = qkv.shape[3] // (hpg + 2)
+        qkv = qkv.view(s, b, g, hpg + 2, hd)  # per group: hpg q heads, k, v
+        if hpg == 1:
+            q, k, v = qkv.unbind(3)  # each [s, b, g, hd]
+        else:
+            q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)  # [s, b, g, hpg|1|1, hd]
+            q = q.reshape(s, b, g * hpg, hd)
+            k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g, hd]
+        if rope:
+            q, k = self.rope(q, *rope), self.rope(k, *rope)
+        return q, k, v
 
     def autocast(self):
         return contextlib.nullcontext()

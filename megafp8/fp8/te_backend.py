@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from megafp8.fp8.backend import Backend, SdpaAttention
+from megafp8.fp8.backend import Backend, SdpaAttention, rope_angles
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, mark_tp, param_seed
@@ -163,6 +163,28 @@ class TEBackend(Backend):
             attn_mask_type="causal",
             qkv_format="sbhd",
         )
+
+    def rope_tables(self, seq, dim, base, device):
+        return (rope_angles(seq, dim, base, device).contiguous(),)  # TE's kernels take angles
+
+    def rope(self, x, freqs):
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(x, freqs, tensor_format="sbhd", fused=True)
+
+    def split_qkv(self, qkv, heads_per_group, rope=None):
+        """With RoPE: one TE kernel splits the grouped QKV output and rotates q and k, writing q
+        with its heads adjacent (no separate copy, no fp32 intermediates)."""
+        if not rope:
+            return super().split_qkv(qkv, heads_per_group)
+        from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+
+        s, b = qkv.shape[:2]
+        hd = qkv.shape[3] // (heads_per_group + 2)
+        (freqs,) = rope
+        split = [heads_per_group * hd, hd, hd]
+        q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, tensor_format="sbhd")
+        return tuple(t.reshape(s, b, -1, hd) for t in (q, k, v))
 
     def checkpoint(self, fn, *args, contexts=()):
         # TE's checkpoint runs the recomputation in its recompute phase: the forward's FP8

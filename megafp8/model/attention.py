@@ -16,14 +16,6 @@ from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
-def rope_tables(seq: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * base^(-2i/dim), each [s, 1, 1, dim] (both halves alike)."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [s, d/2]
-    ang = torch.cat([ang, ang], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
-    return ang.cos(), ang.sin()
-
-
 def qkv_rows(heads: int, kv: int, hd: int, tp: int, rank: int) -> torch.Tensor:
     """Rows of the grouped QKV weight that rank ``rank`` holds when tp divides kv."""
     per_group = (heads // kv + 2) * hd
@@ -136,25 +128,17 @@ class SelfAttention(nn.Module):
         if self.fused:
             qkv = self.qkv(x)  # [s, b, kvp * (hpg + 2) * hd]
             s, b = qkv.shape[:2]
-            hpg = self.heads // self.kv
-            qkv = qkv.view(s, b, self.kvp, hpg + 2, self.hd)  # per group: hpg q heads, k, v
-            # Views, not copies: split's backward writes the three gradients into one qkv
-            # gradient in a single pass (indexing would zero-fill and add three full tensors),
-            # and TE's attention reads the interleaved views in place (the "sbh3d" layout).
-            if hpg == 1:
-                q, k, v = qkv.unbind(3)  # each [s, b, np, hd]
-            else:
-                q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)  # [s, b, kvp, hpg|1|1, hd]
-                q = q.reshape(s, b, self.np, self.hd)  # a copy: heads of a group are not adjacent
-                k, v = k.squeeze(3), v.squeeze(3)  # [s, b, kvp, hd]
+            qkv = qkv.view(s, b, self.kvp, -1)  # [s, b, kvp, (hpg + 2) * hd]: one group each
+            # q [s, b, np, hd], k and v [s, b, kvp, hd], RoPE applied (fused on the te backend)
+            q, k, v = self.backend.split_qkv(qkv, self.heads // self.kv, rope)
         else:
             q = self.q(x)
             s, b = q.shape[:2]
             q = q.view(s, b, self.np, self.hd)  # [s, b, np, hd]
             kv = self.kv_proj(x).view(s, b, 2, self.hd)  # [s, b, k|v, hd]
             k, v = kv[:, :, 0:1], kv[:, :, 1:2]  # [s, b, 1, hd]
-        if rope is not None:
-            q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
+            if rope is not None:
+                q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
         if self.recompute is not None:  # keep q, k, v; the attention runs again in backward
             ctx = self.recompute(self.core, q, k, v)  # [s, b, np*hd]
         else:

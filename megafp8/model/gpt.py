@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.config import Config, padded_vocab_size
-from megafp8.model.attention import rope_tables
 from megafp8.model.block import TransformerBlock, make_norm
 from megafp8.model.recompute import Recompute
 from megafp8.parallel import mappings as M
@@ -66,7 +65,7 @@ class GPTModel(nn.Module):
         super().__init__()
         m = cfg.model
         self.stage = stage = stage or Stage.whole(m.num_layers)
-        self.cfg, self.groups, self.rng = cfg, groups, rng
+        self.cfg, self.groups, self.rng, self.backend = cfg, groups, rng, backend
         self.sp = cfg.parallel.sequence_parallel
         dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
         seed = cfg.train.seed
@@ -154,8 +153,9 @@ class GPTModel(nn.Module):
 
     def _rope(self, s, device):
         if self.rope is None or self.rope[0].shape[0] < s or self.rope[0].device != device:
-            self.rope = rope_tables(max(s, self.cfg.model.seq_length), *self._rope_cfg, device)
-        return self.rope[0][:s], self.rope[1][:s]
+            n = max(s, self.cfg.model.seq_length)
+            self.rope = self.backend.rope_tables(n, *self._rope_cfg, device)
+        return tuple(t[:s] for t in self.rope)
 
     def forward(self, tokens, labels=None, loss_mask=None, hidden=None):
         """tokens, labels, loss_mask: [b, s]. Returns the mean masked loss (or the vocab-split

@@ -175,3 +175,36 @@ def test_te_weight_cache_reuses_the_cast_within_an_iteration():
     be.weight_cache = False
     be.microbatch(1)
     assert be.cache.first is None
+
+
+@cuda
+@pytest.mark.parametrize("hpg", [1, 4])
+def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
+    """The te backend splits the grouped QKV output and applies RoPE in one TE kernel; the plain
+    backend splits with views and rotates in fp32 torch ops. Both compute x cos + rot(x) sin in
+    fp32 from the same angles and round once to bf16, so they differ only where their fp32 sin
+    and cos (~1e-7 relative apart) put a value on the other side of a bf16 rounding boundary: at
+    most one bf16 ulp (2^-8 relative) per element, plus ~1e-6 of the input scale where the two
+    products cancel. Gradients likewise (the backward is the inverse rotation)."""
+    _te()
+    from megafp8.config import Fp8Config
+    from megafp8.fp8.backend import Backend, build_backend
+    from megafp8.parallel.mappings import SOLO
+
+    te_be = build_backend(Fp8Config(fp8_backend="te"), amax_group=SOLO, tp_group=SOLO)
+    s, b, g, hd = 128, 2, 2, 64
+    torch.manual_seed(0)
+    x = torch.randn(s, b, g, (hpg + 2) * hd, device="cuda", dtype=torch.bfloat16)
+    dy = [torch.randn(s, b, n, hd, device="cuda", dtype=torch.bfloat16) for n in (g * hpg, g, g)]
+    outs, grads = [], []
+    for be in (te_be, Backend()):
+        xi = x.clone().requires_grad_()
+        q, k, v = be.split_qkv(xi, hpg, be.rope_tables(s, hd, 500000.0, "cuda"))
+        sum((t.float() * d.float()).sum() for t, d in zip((q, k, v), dy, strict=True)).backward()
+        outs.append((q, k, v))
+        grads.append(xi.grad)
+    scale = float(x.abs().max())
+    for got, ref in zip(outs[0], outs[1], strict=True):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-5 * scale)
+    torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=2**-7, atol=1e-5 * 4)
