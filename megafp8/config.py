@@ -252,6 +252,10 @@ class LoggingConfig:
     tensorboard_dir: str | None = _f(None, "TensorBoard event directory")
     log_memory: bool = _f(True, "peak memory in the console line and TensorBoard")
     log_throughput: bool = _f(True, "tokens/s, TFLOP/s and MFU in the console line and TensorBoard")
+    log_fp8_stats: bool = _f(
+        False, "FP8 health per GEMM and role to TensorBoard at each log: amax, scale, and the "
+        "shares saturated and flushed to zero (torch backend)"
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,13 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     timer.start()
     while run.iteration < t.train_iters:
         hooks.before_step(run.iteration + 1)
+        logs = (run.iteration + 1) % lg.log_interval == 0 or run.iteration + 1 == t.train_iters
+        fp8_stats = lg.log_fp8_stats and logs
+        if fp8_stats:
+            run.backend.start_fp8_stats()
         loss, gnorm = train_step(run, train_iter, hooks)
+        if fp8_stats:
+            tb.scalars(_fp8_stats(run), run.iteration + 1)
         run.iteration += 1
         run.consumed += gbs
         if not math.isfinite(loss) and t.exit_on_nan:
@@ -283,6 +289,22 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     hooks.close()
     tb.close()
     return history
+
+
+def _fp8_stats(run: Run) -> dict:
+    """This rank's FP8 statistics and, under PP, every stage's (gathered over the pipeline
+    group), as TensorBoard tags: "layers.3.attn.qkv.x/amax" is "fp8/layers.3.attn.qkv/x/amax"."""
+    stats = run.backend.fp8_stats(run.model)
+    if run.groups.pp > 1:
+        every = [None] * run.groups.pp
+        dist.all_gather_object(every, stats, group=run.groups.pp_group)
+        stats = {k: v for s in every for k, v in s.items()}
+    out = {}
+    for k, v in stats.items():
+        name, stat = k.split("/")
+        gemm, role = name.rsplit(".", 1)
+        out[f"fp8/{gemm}/{role}/{stat}"] = v
+    return out
 
 
 def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:

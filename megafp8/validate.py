@@ -196,6 +196,8 @@ def _recompute(cfg: Config, e: list[str]) -> None:
 def _fp8(cfg: Config, e: list[str]) -> None:
     """FP8 GEMM dims (local to each TP rank) and token counts are multiples of 16."""
     m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
+    if cfg.logging.log_fp8_stats and not f.enabled:
+        e.append("log_fp8_stats=True needs FP8 GEMMs (--fp8-format e4m3|hybrid)")
     if not f.enabled:
         return
     tp = p.tensor_model_parallel_size

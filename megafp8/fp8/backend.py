@@ -224,6 +224,14 @@ class Backend:
             fn, *args, use_reentrant=False, context_fn=self._context_fn(contexts)
         )
 
+    def start_fp8_stats(self) -> None:
+        """Before an iteration whose FP8 health statistics are logged."""
+
+    def fp8_stats(self, model) -> dict[str, float]:
+        """After it: ``{"<gemm>.<role>/<stat>": value}`` (amax, scale, and where the backend
+        sees the tensors, the saturated and flushed shares) of this rank."""
+        return {}
+
     def recompute_contexts(self):
         """This backend's own (forward, recompute) pair for a checkpointed region."""
         return contextlib.nullcontext(), contextlib.nullcontext()

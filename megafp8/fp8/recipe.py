@@ -19,6 +19,11 @@ Activation recompute: a checkpointed region's forward runs under ``Fp8State.reco
 which keeps the scale each cast used, in order; its recomputation in the backward runs under
 ``Fp8State.replaying(tape)``, which casts with those same scales and records no amax. The
 recomputed FP8 values are then the first forward's, and the amax histories see each forward once.
+
+Health statistics (``--log-fp8-stats``): between ``Fp8State.start_stats()`` and ``take_stats()``
+the first cast of each tensor role (that of the iteration's first micro-batch) also records its
+amax, the scale it was cast with, and the shares of its values that saturated (|x| scale beyond
+the format's max, clamped) and that flushed to zero (non-zero values cast to 0).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class ScalingMeta:
         self.amax_history = torch.zeros(n, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self.pending = False  # an amax was recorded since the last update
+        self.key = role  # "<gemm name>.<role>" once its state names it
 
     def to(self, device) -> ScalingMeta:
         self.amax_history = self.amax_history.to(device)
@@ -102,7 +108,19 @@ class ScalingMeta:
         scale = self._scale_for(x, group)
         if tape is not None:
             tape.scales.append(scale)
-        return cast_to_fp8(x, scale, self.dtype), scale.reciprocal()
+        xq = cast_to_fp8(x, scale, self.dtype)
+        stats = self.owner.stats if self.owner is not None else None
+        if stats is not None and self.key not in stats:
+            stats[self.key] = self._observe(x, scale, xq)
+        return xq, scale.reciprocal()
+
+    def _observe(self, x: torch.Tensor, scale: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
+        """[amax, scale, saturated share, flushed share] of one cast, on x's device."""
+        x = x.detach()
+        n = max(1, x.numel())
+        sat = (x.float().abs() * scale > self.fp8_max).sum()
+        flushed = ((x != 0) & (xq.float() == 0)).sum()
+        return torch.stack([x.abs().amax().float(), scale.float(), sat / n, flushed / n])
 
     def _scale_for(self, x: torch.Tensor, group) -> torch.Tensor:
         """Record x's amax (delayed) or reduce it now (current); the scale to cast x with."""
@@ -166,12 +184,31 @@ class Fp8State:
         self.recipe, self.amax_group = recipe, amax_group
         self.metas: dict[str, ScalingMeta] = {}
         self.tape: ScaleTape | None = None
+        self.stats: dict[str, torch.Tensor] | None = None
 
     def meta(self, name: str, role: str) -> ScalingMeta:
         key = f"{name}.{role}"
         if key not in self.metas:
-            self.metas[key] = ScalingMeta(self.recipe, role, owner=self)
+            self.metas[key] = meta = ScalingMeta(self.recipe, role, owner=self)
+            meta.key = key
         return self.metas[key]
+
+    def start_stats(self) -> None:
+        self.stats = {}
+
+    def take_stats(self) -> dict[str, float]:
+        """``{"<gemm>.<role>/amax": ..., "/scale", "/saturated", "/flushed"}`` since
+        ``start_stats``; one device-to-host copy."""
+        got, self.stats = self.stats or {}, None
+        if not got:
+            return {}
+        keys = sorted(got)
+        vals = torch.stack([got[k] for k in keys]).cpu().tolist()
+        out = {}
+        for k, (amax, scale, sat, flushed) in zip(keys, vals, strict=True):
+            out.update({f"{k}/amax": amax, f"{k}/scale": scale, f"{k}/saturated": sat,
+                        f"{k}/flushed": flushed})  # fmt: skip
+        return out
 
     @contextlib.contextmanager
     def recording(self, tape: ScaleTape):

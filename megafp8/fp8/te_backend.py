@@ -186,6 +186,33 @@ class TEBackend(Backend):
         q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, tensor_format="sbhd")
         return tuple(t.reshape(s, b, -1, hd) for t in (q, k, v))
 
+    def fp8_stats(self, model):
+        """TE's delayed-scaling state of every FP8 module, read, not recomputed: per GEMM and
+        role (x, w: forward; g: backward) the most recent reduced amax and the scale. TE does not
+        expose the cast tensors, so the saturated / flushed shares are the torch backend's only.
+        One device-to-host copy."""
+        names, rows = [], []
+        for name, mod in model.named_modules():
+            meta = getattr(mod, "fp8_meta", None)
+            if not meta or "scaling_fwd" not in meta:
+                continue
+            base = name.removesuffix(".inner").removesuffix(".linear")
+            fwd, bwd = meta["scaling_fwd"], meta["scaling_bwd"]
+            gemms = fwd.scale.numel() // 3  # forward: input, weight, output per GEMM
+            for i in range(gemms):
+                gemm = base if gemms == 1 else f"{base}.fc{i + 1}"
+                for role, st, j in (("x", fwd, 3 * i), ("w", fwd, 3 * i + 1), ("g", bwd, 2 * i)):
+                    h = st.amax_history  # [len, tensors]; TE rolls the newest to the last row
+                    names.append(f"{gemm}.{role}")
+                    rows.append(torch.stack([h[-1 if h.shape[0] > 1 else 0, j], st.scale[j]]))
+        if not rows:
+            return {}
+        vals = torch.stack(rows).float().cpu().tolist()
+        out = {}
+        for n, (amax, scale) in zip(names, vals, strict=True):
+            out[f"{n}/amax"], out[f"{n}/scale"] = amax, scale
+        return out
+
     def checkpoint(self, fn, *args, contexts=()):
         # TE's checkpoint runs the recomputation in its recompute phase: the forward's FP8
         # scaling state is reused and no amax is recorded again

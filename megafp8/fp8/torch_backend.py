@@ -122,6 +122,12 @@ class TorchBackend(Backend):
     def update(self, roles=None):
         self.state.update(roles)
 
+    def start_fp8_stats(self):
+        self.state.start_stats()
+
+    def fp8_stats(self, model):
+        return self.state.take_stats()
+
     def recompute_contexts(self):
         tape = ScaleTape()  # the region's forward keeps its scales; the recompute casts with them
         return self.state.recording(tape), self.state.replaying(tape)

@@ -208,3 +208,42 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
         assert got.shape == ref.shape
         torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-5 * scale)
     torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=2**-7, atol=1e-5 * 4)
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["te", "torch"])
+def test_fp8_stats_on_gpu(backend):
+    """``--log-fp8-stats`` on both backends: every GEMM (qkv, proj, fc1, fc2 of each layer) and
+    role (x, w, g) reports a positive amax and a learned scale after a few delayed-scaling steps;
+    the torch backend also the saturated and flushed shares (in [0, 1])."""
+    if backend == "te":
+        _te()
+    os.environ.setdefault("MASTER_PORT", "29534")
+    from megafp8.config import Config
+    from megafp8.train import build_run, init_distributed, train
+
+    cfg = Config().replace(
+        model=dict(
+            num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=512
+        ),
+        fp8=dict(fp8_format="hybrid", fp8_backend=backend, fp8_amax_history_len=16),
+        train=dict(micro_batch_size=8, global_batch_size=16, train_iters=4, bf16=True),
+        data=dict(mock_data=True),
+        logging=dict(log_interval=2, log_fp8_stats=True),
+    )
+    groups, device = init_distributed(cfg)
+    run = build_run(cfg, groups, device)
+    train(cfg, run)
+    run.backend.start_fp8_stats()
+    from megafp8.train import train_step
+
+    train_step(run, iter(run.data.train))
+    stats = run.backend.fp8_stats(run.model)
+    gemms = [f"layers.{i}.{g}" for i in range(2) for g in ("attn.qkv", "attn.proj", "mlp.fc1",
+                                                            "mlp.fc2")]  # fmt: skip
+    for g in gemms:
+        for r in "xwg":
+            assert stats[f"{g}.{r}/amax"] > 0 and stats[f"{g}.{r}/scale"] != 1.0, (g, r, stats)
+            if backend == "torch":
+                assert 0.0 <= stats[f"{g}.{r}/saturated"] <= 1.0
+                assert 0.0 <= stats[f"{g}.{r}/flushed"] <= 1.0

@@ -45,6 +45,14 @@ CASES = {
         False,
         dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     ),  # fmt: skip
+    # the interleaved schedule (v 2, one layer per chunk) with TP + SP and ZeRO-2 over dp 2
+    "pp2-v2-tp2-dp2-sp-zero2": (
+        8,
+        2,
+        False,
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+             tensor_model_parallel_size=2, sequence_parallel=True),
+    ),  # fmt: skip
 }
 
 
