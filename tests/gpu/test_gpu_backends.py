@@ -204,10 +204,19 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
         outs.append((q, k, v))
         grads.append(xi.grad)
     scale = float(x.abs().max())
-    for got, ref in zip(outs[0], outs[1], strict=True):
-        assert got.shape == ref.shape
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-5 * scale)
-    torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=2**-7, atol=1e-5 * 4)
+    for name, got, ref in zip("qkv", outs[0], outs[1], strict=True):
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        d = (got.float() - ref.float()).abs()
+        worst = float((d / (ref.float().abs() * 2**-7 + 1e-5 * scale)).max())
+        assert worst <= 1.0, (name, float(d.max()), worst, _where(d))
+    d = (grads[0].float() - grads[1].float()).abs()
+    worst = float((d / (grads[1].float().abs() * 2**-7 + 1e-5 * 4)).max())
+    assert worst <= 1.0, ("grad", float(d.max()), worst, _where(d))
+
+
+def _where(d):
+    """Index of the largest difference (position first: RoPE's angle grows with it)."""
+    return [int(i) for i in torch.unravel_index(d.argmax(), d.shape)]
 
 
 @cuda
@@ -220,7 +229,7 @@ def test_fp8_stats_on_gpu(backend):
         _te()
     os.environ.setdefault("MASTER_PORT", "29534")
     from megafp8.config import Config
-    from megafp8.train import build_run, init_distributed, train
+    from megafp8.train import build_run, init_distributed, train_step
 
     cfg = Config().replace(
         model=dict(
@@ -233,11 +242,12 @@ def test_fp8_stats_on_gpu(backend):
     )
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
-    train(cfg, run)
-    run.backend.start_fp8_stats()
-    from megafp8.train import train_step
-
-    train_step(run, iter(run.data.train))
+    it = iter(run.data.train)
+    for i in range(4):  # delayed scaling: the scales move from 1 after the first updates
+        if i == 3:
+            run.backend.start_fp8_stats()
+        train_step(run, it)
+        run.iteration += 1
     stats = run.backend.fp8_stats(run.model)
     gemms = [f"layers.{i}.{g}" for i in range(2) for g in ("attn.qkv", "attn.proj", "mlp.fc1",
                                                             "mlp.fc2")]  # fmt: skip
