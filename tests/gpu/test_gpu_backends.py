@@ -1,6 +1,7 @@
 """GPU-only checks (``-m gpu``), run on the GPU machine, never in CI."""
 
 import functools
+import math
 import os
 
 import pytest
@@ -185,7 +186,10 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
     fp32 from the same angles and round once to bf16, so they differ only where their fp32 sin
     and cos (~1e-7 relative apart) put a value on the other side of a bf16 rounding boundary: at
     most one bf16 ulp (2^-8 relative) per element, plus ~1e-6 of the input scale where the two
-    products cancel. Gradients likewise (the backward is the inverse rotation)."""
+    products cancel. Gradients: TE's backward rotates in fp32 and rounds once; the torch path's
+    autograd rounds each of g cos and rot(g) sin to bf16 (the backward of ``.float()``) before
+    adding them, so it is off by up to two half-ulps of a term bounded by max|dy|:
+    2 x 2^-9 x 2^ceil(log2 max|dy|), on top of one rounding (2^-7 relative)."""
     _te()
     from megafp8.config import Fp8Config
     from megafp8.fp8.backend import Backend, build_backend
@@ -210,7 +214,8 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
         worst = float((d / (ref.float().abs() * 2**-7 + 1e-5 * scale)).max())
         assert worst <= 1.0, (name, float(d.max()), worst, _where(d))
     d = (grads[0].float() - grads[1].float()).abs()
-    worst = float((d / (grads[1].float().abs() * 2**-7 + 1e-5 * 4)).max())
+    big = 2.0 ** math.ceil(math.log2(max(float(t.abs().max()) for t in dy)))
+    worst = float((d / (grads[1].float().abs() * 2**-7 + 2 * 2**-9 * big)).max())
     assert worst <= 1.0, ("grad", float(d.max()), worst, _where(d))
 
 
