@@ -1,0 +1,5 @@
+import sys
+
+from megafp8.hf import main
+
+sys.exit(main())
