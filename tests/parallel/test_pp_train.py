@@ -50,8 +50,12 @@ CASES = {
         8,
         2,
         False,
-        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-             tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+        ),
     ),  # fmt: skip
 }
 
