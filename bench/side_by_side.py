@@ -14,6 +14,8 @@ line). Then the ratio ours / peer in tokens/s.
     python bench/side_by_side.py --shapes llama8b-16 --precisions fp8 \\
         --extra "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
     python bench/side_by_side.py --shapes gpt7b --ours-only --json out.json
+    python bench/side_by_side.py --shapes llama8b --nproc 8 \
+        --extra "--tensor-model-parallel-size 2 --sequence-parallel"   # 8 GPUs, both stacks
 
 Standing set: ``gpt7b`` (8 layers of the GPT 7B shape), ``llama8b-16`` (Llama-3-8B cut to 16
 layers), ``gpt1.3b``; ``llama8b`` is the whole 32-layer Llama-3-8B.
@@ -88,12 +90,20 @@ def parse(text: str, skip: int, peer: bool) -> dict:
     return out
 
 
-def run_one(argv: list[str], peer: str | None, skip: int, log_path: str | None) -> dict:
+def run_one(
+    argv: list[str], peer: str | None, skip: int, log_path: str | None, nproc: int = 1
+) -> dict:
+    """One run on ``nproc`` GPUs (torchrun for ours, ``NPROC`` for the peer's script)."""
+    script = os.path.join(HERE, "pretrain_gpt.py")
     if peer:
         cmd = ["bash", peer, *argv]
+    elif nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", script, *argv]  # fmt: skip
     else:
-        cmd = [sys.executable, os.path.join(HERE, "pretrain_gpt.py"), *argv]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+        cmd = [sys.executable, script, *argv]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               NPROC=str(nproc))  # fmt: skip
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
     text = p.stdout + p.stderr
@@ -118,6 +128,7 @@ def main() -> int:
     ap.add_argument("--ours-extra", default="", help="flags for megafp8 only")
     ap.add_argument("--peer", default=os.path.join(HERE, ".shared/peers/megatron.sh"))
     ap.add_argument("--ours-only", action="store_true", help="no peer runs")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs per run (tokens/s is per GPU)")
     ap.add_argument("--logs", help="directory for each run's full console output")
     ap.add_argument("--json", help="write every row here")
     a = ap.parse_args()
@@ -135,9 +146,9 @@ def main() -> int:
                     peer = a.peer if who == "megatron-lm" else None
                     run_argv = argv if peer else argv + shlex.split(a.ours_extra)
                     log = os.path.join(a.logs, f"{shape}-{prec}-{who}-{r}.log") if a.logs else None
-                    res = run_one(run_argv, peer, a.skip, log)
-                    if "ms_per_iter" in res:
-                        res["tokens_per_s"] = gbs * seq / (res["ms_per_iter"] / 1e3)
+                    res = run_one(run_argv, peer, a.skip, log, a.nproc)
+                    if "ms_per_iter" in res:  # per GPU
+                        res["tokens_per_s"] = gbs * seq / (res["ms_per_iter"] / 1e3) / a.nproc
                     rows.append(dict(shape=shape, precision=prec, stack=who, round=r, **res))
                     print(json.dumps(rows[-1]), flush=True)
     _table(rows, a)
@@ -148,7 +159,8 @@ def main() -> int:
 
 
 def _table(rows: list[dict], a) -> None:
-    print(f"\nextra flags (both): {a.extra or '-'}; megafp8 only: {a.ours_extra or '-'}")
+    print(f"\nextra flags (both): {a.extra or '-'}; megafp8 only: {a.ours_extra or '-'}; "
+          f"{a.nproc} GPU(s) per run, tokens/s per GPU")  # fmt: skip
     print("| shape | precision | megafp8 ms/iter | tokens/s | peak GiB | Megatron-LM ms/iter | "
           "tokens/s | peak GiB | ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
