@@ -1,0 +1,5 @@
+import sys
+
+from megafp8.plan import main
+
+sys.exit(main())
