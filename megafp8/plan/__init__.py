@@ -77,12 +77,13 @@ def plan(cfg, nodes: int, per_node: int, gpu, recompute="any", margin=0.95) -> l
 
 
 def sbatch_line(run_file: str | None, lay: Layout, nodes: int, per_node: int) -> str:
-    cfg_arg = f" --config {run_file}" if run_file else " <your flags>"
+    """``launch/pretrain.sbatch`` reads the run file and flags from RUN_FILE / EXTRA_FLAGS."""
+    run = f"RUN_FILE={run_file} " if run_file else "RUN_FILE=<your run file> "
     sp = " --sequence-parallel" if lay.sp else ""
-    return (f"sbatch --nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} "
-            f"launch/pretrain.sbatch{cfg_arg} --tensor-model-parallel-size {lay.tp} "
-            f"--pipeline-model-parallel-size {lay.pp}{sp} --zero-stage {lay.zero}"
-            f"{RECOMPUTE[lay.recompute]}")  # fmt: skip
+    flags = (f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}{sp} "
+             f"--zero-stage {lay.zero}{RECOMPUTE[lay.recompute]}")  # fmt: skip
+    return (f'{run}EXTRA_FLAGS="{flags}" sbatch --nodes={nodes} --ntasks-per-node={per_node} '
+            f"--gpus-per-node={per_node} launch/pretrain.sbatch")  # fmt: skip
 
 
 def _row(r: dict) -> str:

@@ -44,7 +44,8 @@ def test_cli_ranks_layouts_and_writes_the_sbatch_line(capsys):
     assert all(int(c[0]) * int(c[1]) * int(c[2]) == 16 for c in (r.split("|")[1:4] for r in rows))
     speeds = [float(r.split("|")[8].replace(",", "")) for r in rows]
     assert speeds == sorted(speeds, reverse=True)  # best first
-    assert "sbatch --nodes=2 --ntasks-per-node=8" in out and "launch/pretrain.sbatch" in out
+    assert "RUN_FILE=launch/configs/llama-8b.yaml EXTRA_FLAGS=" in out
+    assert "sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch/pretrain.sbatch" in out
 
 
 def test_cli_one_layout_and_bad_input(capsys):
