@@ -79,10 +79,46 @@ class ModelConfig:
     recompute_modules: tuple[str, ...] = _f(
         ("core_attn",), "selective recompute: any of core_attn, mlp, layernorm"
     )
+    num_experts: int | None = _f(None, "experts per MoE layer (None: dense MLPs)")
+    moe_layer_freq: int = _f(1, "an MoE layer every this many layers, from layer 0 (1: all)")
+    moe_ffn_hidden_size: int | None = _f(None, "each expert's MLP width (None: ffn_hidden_size)")
+    moe_shared_expert_intermediate_size: int | None = _f(
+        None, "width of a shared expert every token goes through (None: none)"
+    )
+    moe_router_topk: int = _f(2, "experts per token (k)")
+    moe_router_score_function: str = _f(
+        "softmax", "router scores", ("softmax", "sigmoid")
+    )  # fmt: skip
+    moe_router_pre_softmax: bool = _f(
+        False, "softmax over all experts before the top-k (else top-k logits, then softmax)"
+    )
+    moe_router_load_balancing_type: str = _f(
+        "aux_loss", "load balancing", ("aux_loss", "seq_aux_loss", "none")
+    )  # fmt: skip
+    moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss")
+    moe_z_loss_coeff: float | None = _f(None, "weight of the router z-loss (None: off)")
+    moe_expert_capacity_factor: float | None = _f(
+        None, "token assignments per expert at most ceil(factor x tokens x k / experts) "
+        "(None: dropless)"
+    )  # fmt: skip
+    moe_token_drop_policy: str = _f(
+        "probs", "beyond capacity drop the lowest-probability or the latest assignments",
+        ("probs", "position"),
+    )  # fmt: skip
+    moe_pad_expert_input_to_capacity: bool = _f(
+        False, "run every expert on exactly its capacity rows (zero padding)"
+    )
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.num_experts) and i % self.moe_layer_freq == 0
 
     @property
     def kv_heads(self) -> int:

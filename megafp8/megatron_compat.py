@@ -141,12 +141,24 @@ TABLE = [
         "refuse",
         "not supported: attention spans the whole sample, across EOD (Megatron's default)",
     ),
-    _f("num-experts", int, "refuse", "mixture of experts is not available yet"),
-    _f("moe-router-topk", int, "refuse", "mixture of experts is not available yet"),
-    _f("moe-router-load-balancing-type", str, "refuse", "mixture of experts is not available yet"),
-    _f("moe-aux-loss-coeff", float, "refuse", "mixture of experts is not available yet"),
-    _f("moe-grouped-gemm", "switch", "refuse", "mixture of experts is not available yet"),
-    _f("moe-token-dispatcher-type", str, "refuse", "mixture of experts is not available yet"),
+    _f(
+        "moe-grouped-gemm",
+        "switch",
+        "notice",
+        "the experts' GEMMs run in a loop over the experts (FP8 where the layer is)",
+    ),
+    _f(
+        "moe-token-dispatcher-type",
+        str,
+        "notice",
+        "without expert parallelism every rank runs every expert: no token exchange",
+    ),
+    _f(
+        "moe-router-enable-expert-bias",
+        "switch",
+        "refuse",
+        "the aux-loss-free expert bias is not available yet: use --moe-aux-loss-coeff",
+    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}

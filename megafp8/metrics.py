@@ -30,6 +30,11 @@ def flops_per_iteration(m, global_batch: int, padded_vocab: int, causal: bool = 
     h, L, s = m.hidden_size, m.num_layers, m.seq_length
     attn_scores = (0.5 if causal else 1.0) * s / h
     gated = 1.5 if m.swiglu else 1.0
+    # MoE layers count their active experts: k experts of moe_ffn per token, plus the shared
+    # expert; the router's GEMM (h x E per token, E experts << ffn) is left out
+    n_moe = sum(m.is_moe_layer(i) for i in range(L))
+    moe_ffn = m.moe_router_topk * m.moe_ffn + (m.moe_shared_expert_intermediate_size or 0)
+    ffn = ((L - n_moe) * m.ffn + n_moe * moe_ffn) / L
     return (
         12.0
         * global_batch
@@ -40,7 +45,7 @@ def flops_per_iteration(m, global_batch: int, padded_vocab: int, causal: bool = 
         * (
             (1.0 + m.kv_heads / m.num_attention_heads + attn_scores)
             * (m.head_dim * m.num_attention_heads / h)
-            + (m.ffn / h) * gated
+            + (ffn / h) * gated
             + padded_vocab / (2.0 * L * h)
         )
     )

@@ -25,6 +25,7 @@ from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import build_backend
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
+from megafp8.model.moe import moe_metrics
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
@@ -266,6 +267,8 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
                 rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
             rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
             _log_line(run, rec, gbs, tb, rank0)
+            if cfg.model.num_experts:
+                tb.scalars(_gather_pp(run, moe_metrics(run.model)), run.iteration)
             timer.start()
         history.append(rec)
         hooks.after_step(run.iteration)
@@ -291,14 +294,19 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     return history
 
 
+def _gather_pp(run: Run, stats: dict) -> dict:
+    """Every pipeline stage's entries of ``stats`` (a dict per rank), on every rank."""
+    if run.groups.pp == 1:
+        return stats
+    every = [None] * run.groups.pp
+    dist.all_gather_object(every, stats, group=run.groups.pp_group)
+    return {k: v for s in every for k, v in s.items()}
+
+
 def _fp8_stats(run: Run) -> dict:
     """This rank's FP8 statistics and, under PP, every stage's (gathered over the pipeline
     group), as TensorBoard tags: "layers.3.attn.qkv.x/amax" is "fp8/layers.3.attn.qkv/x/amax"."""
-    stats = run.backend.fp8_stats(run.model)
-    if run.groups.pp > 1:
-        every = [None] * run.groups.pp
-        dist.all_gather_object(every, stats, group=run.groups.pp_group)
-        stats = {k: v for s in every for k, v in s.items()}
+    stats = _gather_pp(run, run.backend.fp8_stats(run.model))
     out = {}
     for k, v in stats.items():
         name, stat = k.split("/")

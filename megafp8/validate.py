@@ -193,6 +193,37 @@ def _recompute(cfg: Config, e: list[str]) -> None:
         )
 
 
+def _moe(cfg: Config, e: list[str]) -> None:
+    """Mixture of experts: counts, k <= E, what is not available yet."""
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return
+    if m.num_experts < 1 or not 1 <= m.moe_router_topk <= m.num_experts:
+        e.append(f"moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]")
+    if m.moe_layer_freq < 1:
+        e.append(f"moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    if m.moe_router_load_balancing_type == "seq_aux_loss":
+        e.append("moe_router_load_balancing_type='seq_aux_loss' is not available yet: use aux_loss")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        e.append(f"moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        e.append("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+    if p.tensor_model_parallel_size > 1:
+        e.append(
+            f"num_experts={m.num_experts} with tensor_model_parallel_size="
+            f"{p.tensor_model_parallel_size}: MoE layers are not split over TP yet (use DP or PP)"
+        )
+    f = cfg.fp8
+    if f.enabled:
+        widths = {
+            "moe_ffn_hidden_size": m.moe_ffn,
+            "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+        }
+        bad = {k: v for k, v in widths.items() if v and v % FP8_GEMM_MULTIPLE}  # fmt: skip
+        if bad:
+            e.append(f"FP8 GEMM dims must be divisible by {FP8_GEMM_MULTIPLE}: {bad}")
+
+
 def _fp8(cfg: Config, e: list[str]) -> None:
     """FP8 GEMM dims (local to each TP rank) and token counts are multiples of 16."""
     m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
@@ -288,6 +319,7 @@ def validate(cfg: Config, world_size: int) -> int:
     dp = max(1, data_parallel_size(cfg, world_size))
     _model(cfg, e)
     _recompute(cfg, e)
+    _moe(cfg, e)
     _fp8(cfg, e)
     _batch(cfg, dp, e)
     _optim(cfg, e)

@@ -8,6 +8,7 @@ from torch import nn
 
 from megafp8.model.attention import SelfAttention
 from megafp8.model.mlp import MLP
+from megafp8.model.moe import MoELayer
 from megafp8.parallel.layers import allreduce_grad_hook
 from megafp8.parallel.random import TP_STREAM
 
@@ -75,8 +76,17 @@ class TransformerBlock(nn.Module):
         self.attn = SelfAttention(
             cfg, rng=rng, kv_group=kv_group, norm=attn_norm, recompute=recompute, **kw
         )
-        self.norm2 = nn.Identity() if norm else make_norm(cfg, backend, groups, dtype, device)
-        if norm and backend.fuses_mlp:
+        moe = m.is_moe_layer(layer)  # the MoE router needs the normed input itself
+        fused2 = norm is not None and not moe
+        self.norm2 = nn.Identity() if fused2 else make_norm(cfg, backend, groups, dtype, device)
+        if moe:
+            from megafp8.config import global_batch_size
+
+            t = cfg.train
+            micro = global_batch_size(cfg, groups.dp) // (t.micro_batch_size * groups.dp)
+            self.mlp = MoELayer(cfg, backend=backend, layer=layer, seed=seed, fp8=fp8,
+                                dtype=dtype, device=device, aux_scale=1.0 / micro)  # fmt: skip
+        elif norm and backend.fuses_mlp:
             fused = dict(groups=groups, layer=layer, seed=seed, fp8=fp8, dtype=dtype, device=device)
             self.mlp = backend.make_fused_mlp(cfg, **fused)
         else:

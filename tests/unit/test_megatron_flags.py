@@ -120,8 +120,12 @@ def test_llama3_8b_fp8_script():
 
 
 def test_mixtral_script():
-    with pytest.raises(ValueError, match=r"^--num-experts: mixture of experts is not available"):
-        _parse(MIXTRAL_DENSE + MIXTRAL_MOE)
+    cfg, notices = _parse(MIXTRAL_DENSE + MIXTRAL_MOE)  # MoE flags are config fields now
+    assert (cfg.model.num_experts, cfg.model.moe_router_topk) == (2, 2)
+    assert "--moe-token-dispatcher-type" in [n.split()[0] for n in notices]
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2: expert parallelism"):
+        validate(cfg, 2)  # expert parallelism is not there yet
+    assert validate(cfg.replace(parallel=dict(expert_model_parallel_size=1)), 1) == 1
     cfg, notices = _parse(MIXTRAL_DENSE)
     assert cfg.train.load_optim is False and cfg.train.load_rng is False
     assert cfg.model.normalization == "RMSNorm" and cfg.optim.zero_stage == 1

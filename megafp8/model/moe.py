@@ -1,0 +1,224 @@
+"""Mixture of experts: a router picks k of E expert MLPs per token; the layer replaces the MLP.
+
+Router (always fp32, never FP8): logits z = x W_r^T [T, E]. Scores: ``softmax`` or ``sigmoid``.
+Top-k: with softmax, either top-k of the logits then a softmax over the k chosen (the default),
+or (``moe_router_pre_softmax``) the softmax over all E then the top-k of those probabilities;
+with sigmoid, the top-k of sigmoid(z) normalized to sum 1 over the k (when k > 1).
+
+Losses (added to the backward, never to the reported lm loss): the load-balancing loss
+``aux_loss`` = coeff x E / (T^2 k) x sum_e (sum_t p_te) x n_e, where p are the softmax (or
+normalized sigmoid) scores over all E experts and n_e the tokens routed to e; the z-loss
+coeff x mean_t (logsumexp_e z_te)^2. Their gradient is scaled as the lm loss's is (``aux_scale``
+= 1 / the micro-batches of the iteration), so gradient accumulation does not change their weight.
+
+Capacity: dropless by default. With ``moe_expert_capacity_factor`` c each expert takes at most
+ceil(c T k / E) token assignments; beyond it, assignments are dropped by the lowest routing
+probability (``probs``) or the latest position (``position``), and the dropped count is kept for
+the metrics. ``moe_pad_expert_input_to_capacity`` runs every expert on exactly its capacity rows.
+
+Experts: E MLPs (fc1 -> GELU or SwiGLU -> fc2, ``moe_ffn_hidden_size`` wide), each GEMM from the
+backend (FP8 where the layer is), run in a loop over the experts with tokens grouped by expert;
+under FP8 each expert's row count is padded with zero rows to a multiple of 16 (the FP8 GEMM
+alignment; zero rows change neither the amax nor the result). An optional shared expert (a dense
+MLP of ``moe_shared_expert_intermediate_size``) sees every token and is added. Experts' weights
+are initialized from seeds of their names, as every other parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.parallel.layers import full_normal, mark_full, param_seed
+
+FP8_ROWS = 16
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``out``; in backward, also d(aux)/d(...) x ``scale``, so the aux loss trains
+    the router without being added to the reported loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale, ctx.aux_shape = scale, aux.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full(ctx.aux_shape, ctx.scale, device=g.device, dtype=torch.float32), None
+
+
+def _linear(backend, n_in, n_out, *, name, std, seed, bias, fp8, dtype, device):
+    from megafp8.parallel.mappings import SOLO
+
+    lin = backend.make_linear(n_in, n_out, bias, name=name, group=SOLO, fp8=fp8, dtype=dtype,
+                              device=device)  # fmt: skip
+    with torch.no_grad():
+        dev = lin.weight.device
+        lin.weight.copy_(full_normal((n_out, n_in), std, param_seed(seed, name), dev, dtype))
+        if lin.bias is not None:
+            lin.bias.zero_()
+    mark_full(lin.weight, f"{name}.weight")
+    if lin.bias is not None:
+        mark_full(lin.bias, f"{name}.bias")
+    return lin
+
+
+class Expert(nn.Module):
+    """fc2(act(fc1(x))) on [n, h] rows; SwiGLU: fc1 = [gate; up]."""
+
+    def __init__(self, cfg, ffn: int, *, backend, name, seed, fp8, dtype, device):
+        super().__init__()
+        m = cfg.model
+        self.swiglu = m.swiglu
+        kw = dict(seed=seed, bias=m.add_bias_linear, fp8=fp8, dtype=dtype, device=device)
+        out1 = 2 * ffn if m.swiglu else ffn
+        std2 = m.init_method_std / (2.0 * m.num_layers) ** 0.5
+        self.fc1 = _linear(backend, m.hidden_size, out1, name=f"{name}.fc1",
+                           std=m.init_method_std, **kw)  # fmt: skip
+        self.fc2 = _linear(backend, ffn, m.hidden_size, name=f"{name}.fc2", std=std2, **kw)
+
+    def forward(self, x):  # [n, h] -> [n, h]
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+def route(logits: torch.Tensor, k: int, score: str, pre_softmax: bool):
+    """logits [T, E] fp32 -> (probs [T, k], experts [T, k], scores over all E [T, E])."""
+    if score == "sigmoid":
+        full = torch.sigmoid(logits)
+        idx = full.topk(k, dim=-1).indices
+        probs = full.gather(1, idx)
+        if k > 1:
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs, idx, full / full.sum(-1, keepdim=True)
+    full = torch.softmax(logits, dim=-1)
+    if pre_softmax:
+        idx = full.topk(k, dim=-1).indices
+        return full.gather(1, idx), idx, full
+    idx = logits.topk(k, dim=-1).indices
+    return torch.softmax(logits.gather(1, idx), dim=-1), idx, full
+
+
+def aux_loss(scores: torch.Tensor, counts: torch.Tensor, k: int, coeff: float) -> torch.Tensor:
+    """coeff x E / (T^2 k) x sum_e (sum_t scores_te) x counts_e."""
+    t, e = scores.shape
+    return coeff * e / (t * t * k) * (scores.sum(0) * counts.float()).sum()
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def capacity_keep(probs, idx, e: int, cap: int, policy: str) -> torch.Tensor:
+    """[T, k] bool: which assignments each expert keeps within ``cap``."""
+    t, k = idx.shape
+    flat_e = idx.reshape(-1)  # assignment a = token * k + slot
+    if policy == "probs":
+        order = torch.argsort(probs.reshape(-1), descending=True, stable=True)
+    else:  # position: earlier tokens first (slot order within a token)
+        order = torch.arange(t * k, device=idx.device)
+    e_sorted = flat_e[order]
+    onehot = F.one_hot(e_sorted, e)  # [A, E]
+    rank = (onehot.cumsum(0) * onehot).sum(-1) - 1  # position within its expert's queue
+    keep = torch.zeros(t * k, dtype=torch.bool, device=idx.device)
+    keep[order] = rank < cap
+    return keep.view(t, k)
+
+
+class MoELayer(nn.Module):
+    """Router + E experts (+ a shared expert); x [s, b, h] -> [s, b, h]."""
+
+    def __init__(
+        self, cfg, *, backend, layer: int, seed: int, fp8: bool, dtype, device, aux_scale=1.0
+    ):
+        super().__init__()
+        m = cfg.model
+        self.e, self.k = m.num_experts, m.moe_router_topk
+        self.score, self.pre = m.moe_router_score_function, m.moe_router_pre_softmax
+        self.lb, self.aux_coeff = m.moe_router_load_balancing_type, m.moe_aux_loss_coeff
+        self.z_coeff, self.cap_factor = m.moe_z_loss_coeff, m.moe_expert_capacity_factor
+        self.drop_policy, self.pad = m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity
+        self.fp8 = fp8 and backend.fp8
+        name = f"layers.{layer}.mlp"
+        dev = device or "cpu"
+        w = full_normal((self.e, m.hidden_size), m.init_method_std,
+                        param_seed(seed, f"{name}.router"), dev, torch.float32)  # fmt: skip
+        self.router = mark_full(nn.Parameter(w), f"{name}.router.weight")  # fp32 always
+        kw = dict(backend=backend, seed=seed, fp8=fp8, dtype=dtype, device=device)
+        self.experts = nn.ModuleList(
+            Expert(cfg, m.moe_ffn, name=f"{name}.experts.{i}", **kw) for i in range(self.e)
+        )
+        self.shared = None
+        if m.moe_shared_expert_intermediate_size:
+            self.shared = Expert(cfg, m.moe_shared_expert_intermediate_size,
+                                 name=f"{name}.shared_expert", **kw)  # fmt: skip
+        self.aux_scale = aux_scale  # the lm loss's backward scale: 1 / micro-batches
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x):  # [s, b, h] -> [s, b, h]
+        s, b, h = x.shape
+        xt = x.reshape(-1, h)  # [T, h]
+        logits = xt.float() @ self.router.t()  # [T, E], fp32
+        probs, idx, full = route(logits, self.k, self.score, self.pre)
+        counts = torch.bincount(idx.reshape(-1), minlength=self.e)  # assignments per expert
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        cap = None
+        if self.cap_factor is not None:
+            cap = math.ceil(self.cap_factor * xt.shape[0] * self.k / self.e)
+            keep = capacity_keep(probs, idx, self.e, cap, self.drop_policy)
+        out = torch.zeros_like(xt)
+        for e, expert in enumerate(self.experts):
+            tok, slot = ((idx == e) & keep).nonzero(as_tuple=True)
+            rows = cap if (cap is not None and self.pad) else len(tok)
+            if self.fp8:
+                rows = -(-rows // FP8_ROWS) * FP8_ROWS
+            inp = xt[tok]
+            if len(tok) == 0:  # no tokens: zero rows, so every expert has a (zero) gradient
+                y = expert(xt.new_zeros(FP8_ROWS, h))
+                out = out + 0.0 * y.sum()
+                continue
+            if rows > len(tok):  # zero rows: padding for the capacity or the FP8 alignment
+                inp = torch.cat([inp, inp.new_zeros(rows - len(tok), h)])
+            y = expert(inp)[: len(tok)]  # [n_e, h]
+            w = probs[tok, slot].unsqueeze(-1).to(y.dtype)
+            out = out.index_add(0, tok, y * w)
+        if self.shared is not None:
+            out = out + self.shared(xt)
+        losses = {}
+        if self.lb == "aux_loss" and self.aux_coeff:
+            losses["load_balancing_loss"] = aux_loss(full, counts, self.k, self.aux_coeff)
+        if self.z_coeff:
+            losses["z_loss"] = z_loss(logits, self.z_coeff)
+        self.stats = {"tokens_per_expert": counts, "dropped": (~keep).sum(),
+                      **{k: v.detach() for k, v in losses.items()}}  # fmt: skip
+        if losses and self.training and torch.is_grad_enabled():
+            out = _AuxLossGrad.apply(out, sum(losses.values()), self.aux_scale)
+        return out.view(s, b, h)
+
+
+def moe_metrics(model) -> dict[str, float]:
+    """The last forward's router statistics of every MoE layer of ``model``: per layer the load
+    imbalance (max / mean tokens per expert), the dropped assignments and the aux losses; and
+    their sums over layers ("moe/load_balancing_loss", "moe/z_loss")."""
+    out: dict[str, float] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, MoELayer) or not mod.stats:
+            continue
+        st = mod.stats
+        c = st["tokens_per_expert"].float()
+        out[f"moe/{name}/load_imbalance"] = float(c.max() / c.mean().clamp(min=1e-9))
+        out[f"moe/{name}/dropped"] = float(st["dropped"])
+        for k in ("load_balancing_loss", "z_loss"):
+            if k in st:
+                out[f"moe/{name}/{k}"] = float(st[k])
+                out[f"moe/{k}"] = out.get(f"moe/{k}", 0.0) + float(st[k])
+    return out

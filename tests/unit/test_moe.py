@@ -1,0 +1,209 @@
+"""Mixture of experts (``model/moe.py``): the router, the losses and the capacity against hand
+computations; the layer against a per-token loop; training in one process, over DP (ZeRO 1 and
+2) and PP against one process, in fp32 and FP8."""
+
+import math
+
+import pytest
+import torch
+
+from megafp8.model.moe import MoELayer, aux_loss, capacity_keep, moe_metrics, route, z_loss
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import tiny_config
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.5], [1.0, 0.9, 2.0, 0.0]])
+
+
+def test_route_softmax_topk_then_softmax():
+    probs, idx, full = route(LOGITS, 2, "softmax", pre_softmax=False)
+    assert idx.tolist() == [[0, 1], [1, 2], [2, 0]]
+    e = math.exp
+    assert probs[0].tolist() == pytest.approx([e(2) / (e(2) + e(1)), e(1) / (e(2) + e(1))])
+    assert full[1].tolist() == pytest.approx(torch.softmax(LOGITS[1], 0).tolist())
+
+
+def test_route_pre_softmax_and_sigmoid():
+    probs, idx, _ = route(LOGITS, 2, "softmax", pre_softmax=True)
+    sm = torch.softmax(LOGITS, -1)
+    assert torch.equal(probs, sm.gather(1, idx))  # not renormalized
+    probs, idx, full = route(LOGITS, 2, "sigmoid", pre_softmax=False)
+    sg = torch.sigmoid(LOGITS)
+    want = sg.gather(1, idx) / sg.gather(1, idx).sum(-1, keepdim=True)
+    assert torch.allclose(probs, want) and torch.allclose(full.sum(-1), torch.ones(3))
+
+
+def test_aux_and_z_loss_by_hand():
+    _, idx, full = route(LOGITS, 2, "softmax", False)
+    counts = torch.bincount(idx.reshape(-1), minlength=4)
+    t, e, k, coeff = 3, 4, 2, 0.01
+    want = sum(coeff * e / (t * t * k) * full[:, j].sum() * counts[j] for j in range(e))
+    assert float(aux_loss(full, counts, k, coeff)) == pytest.approx(float(want))
+    lse = [math.log(sum(math.exp(v) for v in row)) for row in LOGITS.tolist()]
+    assert float(z_loss(LOGITS, 0.1)) == pytest.approx(0.1 * sum(x * x for x in lse) / 3)
+
+
+def test_capacity_drops_by_probability_or_position():
+    idx = torch.tensor([[0, 1], [0, 1], [0, 2]])  # expert 0 gets 3 assignments
+    probs = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.7, 0.3]])
+    keep = capacity_keep(probs, idx, 3, cap=2, policy="probs")
+    assert keep.tolist() == [[False, True], [True, True], [True, True]]  # 0.6 is lowest for e0
+    keep = capacity_keep(probs, idx, 3, cap=2, policy="position")
+    assert keep.tolist() == [[True, True], [True, True], [False, True]]  # the latest token
+
+
+def _cfg(**model):
+    base = dict(num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                swiglu=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)  # fmt: skip
+    return tiny_config(model={**base, **model})
+
+
+def _layer(cfg, fp8=False):
+    from megafp8.fp8.backend import build_backend
+    from megafp8.parallel.mappings import SOLO
+
+    cfg = cfg.replace(fp8=dict(fp8_format="hybrid")) if fp8 else cfg
+    be = build_backend(cfg.fp8, amax_group=SOLO, tp_group=SOLO)
+    return MoELayer(cfg, backend=be, layer=0, seed=3, fp8=fp8, dtype=torch.float32, device=None)
+
+
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_layer_equals_a_per_token_loop(capacity):
+    cfg = _cfg(moe_expert_capacity_factor=capacity, moe_shared_expert_intermediate_size=16)
+    layer = _layer(cfg)
+    x = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(0))  # [s, b, h]
+    with torch.no_grad():
+        got = layer(x).reshape(-1, 64)
+        xt = x.reshape(-1, 64)
+        probs, idx, _ = route(xt @ layer.router.t(), 2, "softmax", False)
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        if capacity:
+            keep = capacity_keep(probs, idx, 4, math.ceil(capacity * 16 * 2 / 4), "probs")
+            assert (~keep).sum() > 0  # some assignments dropped
+        for t in range(16):
+            want = layer.shared(xt[t : t + 1])[0]
+            for j in range(2):
+                if keep[t, j]:
+                    want = want + probs[t, j] * layer.experts[int(idx[t, j])](xt[t : t + 1])[0]
+            torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
+    assert layer.stats["dropped"] == (~keep).sum()
+
+
+def test_aux_losses_train_the_router_with_the_loss_scale():
+    """The router's gradient gains exactly scale x d(aux + z)/d(router); the output is unchanged."""
+    x = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for scale in (0.0, 0.25):
+        layer = _layer(_cfg())
+        layer.aux_scale = scale
+        (layer(x) * g).sum().backward()
+        grads[scale] = layer.router.grad.clone()
+    ran, layer = layer, _layer(_cfg())
+    logits = x.reshape(-1, 64) @ layer.router.t()
+    _, idx, full = route(logits, 2, "softmax", False)
+    counts = torch.bincount(idx.reshape(-1), minlength=4)
+    extra = aux_loss(full, counts, 2, 1e-2) + z_loss(logits, 1e-3)
+    (d,) = torch.autograd.grad(extra, layer.router)
+    # the difference of two fp32 gradients: exact but for their own rounding, a few ulps of the
+    # larger of them (each is a sum of the lm and the aux contributions)
+    ulps = 4 * 2.0**-23 * float(grads[0.25].abs().max())
+    torch.testing.assert_close(grads[0.25] - grads[0.0], 0.25 * d, rtol=1e-4, atol=ulps)
+    m = moe_metrics(torch.nn.ModuleDict({"mlp": ran}))
+    assert m["moe/load_balancing_loss"] > 0 and m["moe/mlp/load_imbalance"] >= 1.0
+
+
+def test_fp8_experts_get_row_counts_padded_to_16():
+    layer = _layer(_cfg(), fp8=True)
+    rows = []
+    for ex in layer.experts:
+        ex.fc1.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[0]))
+    layer(torch.randn(8, 2, 64))
+    assert rows and all(r % 16 == 0 for r in rows)
+
+
+def _losses(cfg):
+    from tests.helpers.tiny import train_losses
+
+    return train_losses(cfg)
+
+
+def test_moe_trains_and_dp_pp_equal_one_process():
+    """5 steps, top-2 of 4 experts with aux and z losses: one process learns; DP 2 (ZeRO 1 and 2)
+    and PP 2 give its losses (fp32: DP averaging reorders sums, ~1e-6 after Adam, as
+    test_tp_dp_zero.py; PP alone is the same ops: bit-identical)."""
+    cfg = _cfg(num_layers=2)
+    ref = run_distributed(_losses, 1, cfg)[0]
+    assert len(ref) == 5 and ref[-1] < ref[0]
+    for zero in (1, 2):
+        got = run_distributed(_losses, 2, cfg.replace(optim=dict(zero_stage=zero)))[0]
+        assert got == pytest.approx(ref, rel=2e-5), zero
+    got = run_distributed(_losses, 2, cfg.replace(parallel=dict(pipeline_model_parallel_size=2)))
+    assert got[0] == ref
+
+
+def test_moe_fp8_trains():
+    cfg = _cfg().replace(fp8=dict(fp8_format="hybrid", fp8_amax_history_len=4))
+    losses = run_distributed(_losses, 1, cfg)[0]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_moe_flags_and_bad_values():
+    from megafp8.cli import parse_args
+    from megafp8.validate import validate
+
+    cfg = parse_args(["--mock-data", "--num-experts", "8", "--moe-router-topk", "2",
+                      "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"])  # fmt: skip
+    validate(cfg, 1)
+    for argv, says in (
+        (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk=5"),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "2"], "not split over TP"),
+        (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs moe_expert_cap"),
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], "seq_aux"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            validate(parse_args(["--mock-data", *argv]), 2 if "tensor" in argv[2] else 1)
+
+
+def test_moe_flops_count_active_experts():
+    from megafp8.metrics import flops_per_iteration
+
+    dense = _cfg(num_experts=None).model
+    moe = _cfg(moe_ffn_hidden_size=dense.ffn // 2).model  # k=2 experts of half width
+    assert flops_per_iteration(moe, 8, 256) == pytest.approx(flops_per_iteration(dense, 8, 256))
+
+
+def _tags(cfg):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _losses(cfg)
+    acc = EventAccumulator(glob.glob(cfg.logging.tensorboard_dir + "/events*")[0])
+    acc.Reload()
+    return [t for t in acc.Tags()["scalars"] if t.startswith("moe/")]
+
+
+def test_router_metrics_reach_tensorboard(tmp_path):
+    cfg = _cfg(moe_layer_freq=2).replace(
+        train=dict(train_iters=2), logging=dict(tensorboard_dir=str(tmp_path / "tb"))
+    )
+    tags = set(run_distributed(_tags, 1, cfg)[0])
+    assert tags == {  # layer 0 is MoE, layer 1 dense (freq 2)
+        "moe/layers.0.mlp/load_imbalance",
+        "moe/layers.0.mlp/dropped",
+        "moe/layers.0.mlp/load_balancing_loss",
+        "moe/layers.0.mlp/z_loss",
+        "moe/load_balancing_loss",
+        "moe/z_loss",
+    }
+
+
+def test_an_expert_without_tokens_still_gets_a_zero_gradient():
+    layer = _layer(_cfg(num_experts=8, moe_router_topk=1))
+    x = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(4))  # 2 tokens, 8 experts
+    layer(x).sum().backward()
+    idle = [e for e in range(8) if e not in layer.stats["tokens_per_expert"].nonzero()]
+    assert idle  # at least 6 experts saw no token
+    for e in idle:
+        for p in layer.experts[e].parameters():
+            assert p.grad is not None and not p.grad.any()
