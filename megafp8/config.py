@@ -185,6 +185,14 @@ class Fp8Config:
     first_last_layers_bf16: bool = _f(False, "keep the first and last blocks out of FP8")
     num_layers_at_start_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the start")
     num_layers_at_end_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the end")
+    fp8_overflow_fallback_steps: int | None = _f(
+        None, "a layer whose FP8 casts overflow this many iterations in a row leaves FP8 for "
+        "good (None: never)"
+    )  # fmt: skip
+    fp8_overflow_saturated_share: float = _f(
+        1e-3, "an FP8 cast overflows when it meets NaN/inf or clamps more than this share "
+        "(torch backend)"
+    )  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -261,7 +269,25 @@ class TrainConfig:
     )
     eval_interval: int | None = _f(None, "evaluate every this many iterations")
     eval_iters: int = _f(10, "validation batches per evaluation")
-    exit_on_nan: bool = _f(True, "stop when the loss is NaN or inf")
+    exit_on_nan: bool = _f(
+        True, "stop on a NaN/inf (--no-exit-on-nan: the earlier spelling of --nan-policy skip)"
+    )
+    check_for_nan_in_loss_and_grad: bool = _f(
+        True, "detect a NaN or inf lm loss or gradient norm (then --nan-policy decides)"
+    )
+    nan_policy: str = _f(
+        "stop", "on a NaN/inf: stop naming the iteration, or skip its optimizer update",
+        ("stop", "skip"),
+    )  # fmt: skip
+    check_for_spiky_loss: bool = _f(
+        False, "skip the update of an iteration whose loss is a spike (--spiky-loss-factor)"
+    )
+    spiky_loss_factor: float = _f(
+        10.0, "a spike: loss > this x the mean loss of the last --spiky-loss-window updates"
+    )
+    spiky_loss_window: int = _f(
+        100, "updated iterations in the spike mean; the check starts once it is full"
+    )
     deterministic: bool = _f(False, "deterministic kernels only (torch and TE)")
     exit_duration_in_mins: float | None = _f(
         None, "save and exit once the run has lasted this long"

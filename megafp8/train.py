@@ -23,11 +23,11 @@ import torch.distributed as dist
 from megafp8 import checkpoint, metrics
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, global_batch_size
-from megafp8.fp8.backend import build_backend
+from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
 from megafp8.model.moe import moe_metrics
 from megafp8.optim.schedule import learning_rate
-from megafp8.optim.zero import build_engine, set_lr
+from megafp8.optim.zero import StepPolicy, build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
 from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
 from megafp8.parallel.random import model_parallel_seed
@@ -49,6 +49,8 @@ class Run:
     device: torch.device
     iteration: int = 0
     consumed: int = 0
+    policy: StepPolicy | None = None  # NaN and spike: whether an update happens
+    fp8_guard: Fp8OverflowGuard | None = None  # FP8 overflow -> the layer leaves FP8
 
 
 def check_inputs(cfg: Config) -> None:
@@ -176,6 +178,8 @@ def save(run: Run) -> None:
         "consumed_samples": run.consumed,
         "fp8": run.backend.state_dict(),
         "rng": run.rng.state_dict(),
+        "bad_steps": run.policy.state_dict() if run.policy else {},
+        "fp8_fallback": run.fp8_guard.state_dict() if run.fp8_guard else {},
     }
     meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict()}
     t = run.cfg.train
@@ -195,6 +199,10 @@ def resume(run: Run) -> bool:
     client, meta = got
     run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
     run.backend.load_state_dict(client["fp8"])
+    if run.policy is not None:
+        run.policy.load_state_dict(client.get("bad_steps", {}))
+    if run.fp8_guard is not None:
+        run.fp8_guard.load_state_dict(client.get("fp8_fallback", {}))
     if t.load_rng:  # --no-load-rng: the streams seeded by this run's --seed stay
         run.rng.load_state_dict(client["rng"])
     run.data = build_data_iterators(
@@ -221,6 +229,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     cfg = run.cfg
     t, lg = cfg.train, cfg.logging
     rank0 = run.groups.rank == 0
+    _attach_policies(run, rank0)
     if t.load:
         resume(run)
     gbs = global_batch_size(cfg, run.groups.dp)
@@ -248,13 +257,17 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
         if fp8_stats:
             tb.scalars(_fp8_stats(run), run.iteration + 1)
         run.iteration += 1
-        run.consumed += gbs
-        if not math.isfinite(loss) and t.exit_on_nan:
-            raise FloatingPointError(f"lm loss is {loss} at iteration {run.iteration}")
+        run.consumed += gbs  # a skipped iteration consumed its batch too (Megatron's)
+        verdict = run.policy.verdict
+        if verdict["nan"] and run.policy.stop:
+            raise FloatingPointError(f"{verdict['what']} at iteration {run.iteration}")
+        if run.fp8_guard is not None:
+            run.fp8_guard.after_iteration(run.iteration)
         rec = {
             "iteration": run.iteration,
             "lm loss": loss,
             "grad norm": gnorm,
+            "skipped": verdict["skipped"],
             "learning rate": learning_rate(cfg.optim, run.iteration - 1, t.train_iters),
         }
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
@@ -303,6 +316,16 @@ def _gather_pp(run: Run, stats: dict) -> dict:
     return {k: v for s in every for k, v in s.items()}
 
 
+def _attach_policies(run: Run, rank0: bool) -> None:
+    """The bad-step policy (NaN, spikes) and, with FP8, the overflow guard (README, Bad steps)."""
+    if run.policy is None:
+        run.policy = StepPolicy(run.cfg.train, run.engine)
+    if run.fp8_guard is None and run.backend.fp8:
+        n = run.cfg.fp8.fp8_overflow_fallback_steps
+        layers = run.cfg.model.num_layers
+        run.fp8_guard = Fp8OverflowGuard(run.backend, run.model, layers, n, rank0, run.device)
+
+
 def _fp8_stats(run: Run) -> dict:
     """This rank's FP8 statistics and, under PP, every stage's (gathered over the pipeline
     group), as TensorBoard tags: "layers.3.attn.qkv.x/amax" is "fp8/layers.3.attn.qkv/x/amax"."""
@@ -324,6 +347,8 @@ def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:
         "lm loss": rec["lm loss"],
         "grad norm": rec["grad norm"],
     }
+    skipped, nans = run.policy.take_interval() if run.policy else (None, None)
+    vals["number of skipped iterations"], vals["number of nan iterations"] = skipped, nans
     for k in (
         "tokens per second",
         "throughput per GPU (TFLOP/s/GPU)",
@@ -343,6 +368,8 @@ def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:
                 "mfu": rec.get("MFU (%)"),
                 "peak-memory-gb": rec["peak memory (GB)"],
                 "consumed-samples": run.consumed,
+                "skipped-iterations": skipped,
+                "nan-iterations": nans,
             },
             run.iteration,
         )

@@ -287,6 +287,27 @@ def _optim(cfg: Config, e: list[str]) -> None:
         e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
 
 
+def _bad_steps(cfg: Config, e: list[str]) -> None:
+    """NaN / spike policies and the FP8 overflow fallback."""
+    t, f = cfg.train, cfg.fp8
+    if (t.nan_policy == "skip" or not t.exit_on_nan) and not t.check_for_nan_in_loss_and_grad:
+        e.append(
+            "nan_policy='skip' (or exit_on_nan=False) needs check_for_nan_in_loss_and_grad: "
+            "without the check nothing is skipped"
+        )
+    if t.check_for_spiky_loss and not t.spiky_loss_factor > 1.0:
+        e.append(f"spiky_loss_factor={t.spiky_loss_factor} must be > 1 (a spike is above the mean)")
+    if t.check_for_spiky_loss and t.spiky_loss_window < 1:
+        e.append(f"spiky_loss_window={t.spiky_loss_window} must be >= 1")
+    n = f.fp8_overflow_fallback_steps
+    if n is not None and n < 1:
+        e.append(f"fp8_overflow_fallback_steps={n} must be >= 1 (None: off)")
+    if n is not None and not f.enabled:
+        e.append("fp8_overflow_fallback_steps needs FP8 GEMMs (--fp8-format e4m3|hybrid)")
+    if not 0.0 <= f.fp8_overflow_saturated_share < 1.0:
+        e.append(f"fp8_overflow_saturated_share={f.fp8_overflow_saturated_share} must be in [0, 1)")
+
+
 def _data(cfg: Config, e: list[str]) -> None:
     """A source of data; ``data_path`` and ``split`` parse as the loader will parse them."""
     d, t = cfg.data, cfg.train
@@ -323,6 +344,7 @@ def validate(cfg: Config, world_size: int) -> int:
     _fp8(cfg, e)
     _batch(cfg, dp, e)
     _optim(cfg, e)
+    _bad_steps(cfg, e)
     _data(cfg, e)
     if e:
         raise ValueError("invalid config: " + "; ".join(e))

@@ -24,6 +24,11 @@ Health statistics (``--log-fp8-stats``): between ``Fp8State.start_stats()`` and 
 the first cast of each tensor role (that of the iteration's first micro-batch) also records its
 amax, the scale it was cast with, and the shares of its values that saturated (|x| scale beyond
 the format's max, clamped) and that flushed to zero (non-zero values cast to 0).
+
+Overflow watch (``--fp8-overflow-fallback-steps``, ``Fp8State.watch_overflow(share)``): every cast
+(every role, every micro-batch; not a recompute's replay) also records whether it *overflowed*:
+the tensor held a NaN or inf, or more than ``share`` of its values saturated. ``take_overflow()``
+hands over, per GEMM, a 0/1 flag (a device tensor, no host sync) since the previous call.
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ class ScalingMeta:
         if tape is not None:
             tape.scales.append(scale)
         xq = cast_to_fp8(x, scale, self.dtype)
+        if self.owner is not None and self.owner.overflow is not None:
+            self.owner.note_overflow(self.key, x, scale, self.fp8_max)
         stats = self.owner.stats if self.owner is not None else None
         if stats is not None and self.key not in stats:
             stats[self.key] = self._observe(x, scale, xq)
@@ -185,6 +192,28 @@ class Fp8State:
         self.metas: dict[str, ScalingMeta] = {}
         self.tape: ScaleTape | None = None
         self.stats: dict[str, torch.Tensor] | None = None
+        self.overflow: dict[str, torch.Tensor] | None = None  # None: not watched
+        self.overflow_share = 0.0
+
+    def watch_overflow(self, share: float) -> None:
+        """Record from now on whether each cast overflows (NaN/inf, or > ``share`` saturated)."""
+        self.overflow, self.overflow_share = {}, share
+
+    def note_overflow(self, key: str, x: torch.Tensor, scale: torch.Tensor, fp8_max: float):
+        a = x.detach().float().abs()
+        nonfinite = ~torch.isfinite(a.amax())  # amax propagates NaN
+        sat = (a * scale > fp8_max).sum() / max(1, a.numel())
+        flag = (nonfinite | (sat > self.overflow_share)).float()
+        gemm = key.rsplit(".", 1)[0]
+        prev = self.overflow.get(gemm)
+        self.overflow[gemm] = flag if prev is None else torch.maximum(prev, flag)
+
+    def take_overflow(self) -> dict[str, torch.Tensor]:
+        """Per GEMM name, 1.0 where a cast overflowed since the last call (0.0 elsewhere)."""
+        got = self.overflow or {}
+        if self.overflow is not None:
+            self.overflow = {}
+        return got
 
     def meta(self, name: str, role: str) -> ScalingMeta:
         key = f"{name}.{role}"

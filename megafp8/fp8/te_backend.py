@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from megafp8.fp8.backend import Backend, SdpaAttention, rope_angles
+from megafp8.fp8.backend import Backend, SdpaAttention, layer_name, rope_angles
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, mark_tp, param_seed
@@ -212,6 +212,29 @@ class TEBackend(Backend):
         for n, (amax, scale) in zip(names, vals, strict=True):
             out[f"{n}/amax"], out[f"{n}/scale"] = amax, scale
         return out
+
+    def fp8_overflows(self, model):
+        """Per layer: 1.0 where the newest reduced amax of one of its TE modules' FP8 tensors
+        (forward and backward) is not finite. TE hands out neither the cast tensors nor the
+        saturated share, and its amax kernels may pass over a NaN: an inf is what shows here."""
+        out: dict = {}
+        for path, mod in model.named_modules():
+            meta, lay = getattr(mod, "fp8_meta", None), layer_name(path)
+            if not meta or "scaling_fwd" not in meta or lay is None:
+                continue
+            for key in ("scaling_fwd", "scaling_bwd"):
+                h = meta[key].amax_history  # [len, tensors]; the newest in the last row
+                bad = (~torch.isfinite(h[-1])).any().float()
+                out[lay] = bad if lay not in out else torch.maximum(out[lay], bad)
+        return out
+
+    def fall_back_to_bf16(self, model, layer):
+        n = 0
+        for path, mod in model.named_modules():
+            if isinstance(mod, (TELinear, TEFusedMLP)) and mod.fp8 and layer_name(path) == layer:
+                mod.fp8 = False  # runs under te.autocast(enabled=False) from now on
+                n += 1
+        return n
 
     def checkpoint(self, fn, *args, contexts=()):
         # TE's checkpoint runs the recomputation in its recompute phase: the forward's FP8

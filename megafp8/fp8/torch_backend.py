@@ -16,8 +16,9 @@ do. On the CPU the emulation is the default since ``_scaled_mm`` there is a refe
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from megafp8.fp8.backend import Backend, PlainLinear
+from megafp8.fp8.backend import Backend, PlainLinear, layer_name
 from megafp8.fp8.recipe import Fp8Recipe, Fp8State, ScaleTape, ScalingMeta
 from megafp8.parallel.mappings import world
 
@@ -67,6 +68,7 @@ class Fp8Linear(PlainLinear):
     scaling reduces each amax over ``group`` (the ranks holding shards of this GEMM)."""
 
     plain = False
+    fp8 = True  # False: the layer fell back (``TorchBackend.fall_back_to_bf16``), plain GEMMs
 
     def __init__(
         self, in_features, out_features, bias, *, name, state: Fp8State, gemm, group, dtype, device
@@ -75,6 +77,8 @@ class Fp8Linear(PlainLinear):
         self.name, self.state, self.gemm, self.group = name, state, gemm, group
 
     def forward(self, x):  # [..., in] -> [..., out]
+        if not self.fp8:
+            return F.linear(x, self.weight, self.bias)
         s = self.state
         y = _Fp8LinearFn.apply(
             x,
@@ -121,6 +125,21 @@ class TorchBackend(Backend):
 
     def update(self, roles=None):
         self.state.update(roles)
+
+    def fp8_overflows(self, model):
+        out: dict = {}
+        for gemm, flag in self.state.take_overflow().items():
+            lay = layer_name(gemm)
+            if lay is not None:
+                out[lay] = flag if lay not in out else torch.maximum(out[lay], flag)
+        return out
+
+    def fall_back_to_bf16(self, model, layer):
+        mods = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8]
+        mods = [m for m in mods if layer_name(m.name) == layer]
+        for m in mods:
+            m.fp8 = False
+        return len(mods)
 
     def start_fp8_stats(self):
         self.state.start_stats()

@@ -7,11 +7,14 @@ JIT-compiled DeepSpeed op (FusedAdam, CPUAdam) is ever built. ZeRO shards over
 
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
+import math
 import os
 
 import torch
+import torch.distributed as dist
 
 from megafp8.config import global_batch_size
 
@@ -107,6 +110,7 @@ def build_engine(model, cfg, groups):
         eps=o.adam_eps,
         fused=fused or None,
     )
+    guard = StepGuard(opt)
     engine, _, _, _ = ds.initialize(
         model=model,
         optimizer=opt,
@@ -114,6 +118,8 @@ def build_engine(model, cfg, groups):
         mpu=groups.as_deepspeed_mpu(),
         dist_init_required=False,
     )
+    if o.zero_stage == 0 and not cfg.train.bf16 and cfg.train.check_for_nan_in_loss_and_grad:
+        guard.check_grads = True  # the one layout where DeepSpeed steps on non-finite gradients
     return engine
 
 
@@ -121,3 +127,119 @@ def set_lr(engine, lr: float, decoupled_lr: float | None = None) -> None:
     """``decoupled_lr`` (Megatron's ``--decoupled-lr``) for the embedding and output layer."""
     for g in engine.optimizer.param_groups:
         g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
+
+
+class StepGuard:
+    """Installed as the ``step`` of torch's AdamW (the optimizer stays an AdamW), so that its
+    update can be withheld: with ``skip`` set, ``step()`` changes nothing (weights, both moments
+    and the step count stay). DeepSpeed calls it at the accumulation
+    boundary (ZeRO 0: once; ZeRO 1-3: once per parameter group, on this rank's fp32 partition);
+    the rest of that boundary step happens as usual: gradients cleared, the engine's step and
+    sample counters advanced, ZeRO's unchanged fp32 partitions copied back to the parameters.
+
+    ``check_grads`` (ZeRO 0 in fp32, the one layout where DeepSpeed applies an update whose
+    gradients are not finite; its ZeRO 1-3 and bf16 optimizers skip such a step themselves):
+    one MAX all-reduce over every rank of a "some local gradient is NaN or inf" flag, so all
+    ranks withhold the update together; the result is in ``nonfinite_grad``."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt, self._step = opt, opt.step
+        self.skip = self.check_grads = self.nonfinite_grad = False
+        opt.step, opt.step_guard = self.step, self
+
+    def step(self, closure=None):
+        if self.check_grads:
+            groups = self.opt.param_groups
+            grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+            bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+            for gr in grads:
+                bad = torch.maximum(bad, (~torch.isfinite(gr)).any().float())
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self.nonfinite_grad = bool(bad)
+        if self.skip or self.nonfinite_grad:
+            return None
+        return self._step(closure)
+
+
+def step_guard(engine) -> StepGuard | None:
+    """The StepGuard of the AdamW inside DeepSpeed's optimizer wrappers (ZeRO, bf16), or None."""
+    opt = getattr(engine, "optimizer", None)
+    for _ in range(4):
+        if getattr(opt, "step_guard", None) is not None:
+            return opt.step_guard
+        opt = getattr(opt, "optimizer", None)
+    return None
+
+
+class StepPolicy:
+    """Whether an iteration's optimizer update happens: NaN/inf and spiky losses (README, "Bad
+    steps"); every rank holds one and reaches the same verdict.
+
+    ``before_step(loss)`` runs just before the accumulation boundary's ``engine.step()``, with the
+    iteration's loss already known on every rank (DP mean; under PP broadcast from the last
+    stage). It withholds the update (``StepGuard.skip``) when the loss is NaN or inf
+    (``check_for_nan_in_loss_and_grad``) or a spike (``check_for_spiky_loss``: loss > factor x
+    the mean of the last ``spiky_loss_window`` losses of iterations that were not skipped, once
+    that many are known). The gradient norm only exists inside the step: a non-finite one makes
+    DeepSpeed skip the update itself (``engine.skipped_steps``; ZeRO 0 fp32: ``check_grads``).
+    ``after_step(loss, grad_norm)`` then sets ``verdict``: ``skipped`` (the update did not
+    happen), ``nan`` (loss or grad norm not finite) and ``what`` (for the error under ``stop``).
+    """
+
+    def __init__(self, t, engine):
+        self.engine, self.opt = engine, step_guard(engine)
+        self.check_nan, self.spiky = t.check_for_nan_in_loss_and_grad, t.check_for_spiky_loss
+        self.stop = t.nan_policy == "stop" and t.exit_on_nan  # --no-exit-on-nan: skip
+        self.factor, self.window = t.spiky_loss_factor, t.spiky_loss_window
+        self.losses: collections.deque = collections.deque(maxlen=self.window)
+        self.skipped = self.nan = 0  # totals over the run
+        self._interval = [0, 0]  # skipped, nan since the last console line
+        self.verdict: dict = {"skipped": False, "nan": False, "what": ""}
+        self._ds_skipped = 0
+
+    def is_spike(self, loss: float) -> bool:
+        full = self.spiky and len(self.losses) == self.window
+        return full and loss > self.factor * (sum(self.losses) / len(self.losses))
+
+    def before_step(self, loss: float) -> None:
+        skip = (self.check_nan and not math.isfinite(loss)) or self.is_spike(loss)
+        if self.opt is not None:
+            self.opt.skip, self.opt.nonfinite_grad = skip, False
+        self._ds_skipped = getattr(self.engine, "skipped_steps", 0)
+
+    def after_step(self, loss: float, grad_norm: float | None) -> dict:
+        opt = self.opt
+        bad_loss = self.check_nan and not math.isfinite(loss)
+        bad_grad = self.check_nan and (
+            (grad_norm is not None and not math.isfinite(grad_norm))
+            or (opt is not None and opt.nonfinite_grad)
+        )
+        skipped = (opt is not None and (opt.skip or opt.nonfinite_grad)) or (
+            getattr(self.engine, "skipped_steps", 0) > self._ds_skipped
+        )
+        if opt is not None:
+            opt.skip = opt.nonfinite_grad = False
+        what = f"lm loss is {loss}" if bad_loss else f"grad norm is {grad_norm}" if bad_grad else ""
+        if not what and skipped and self.is_spike(loss):
+            what = f"lm loss {loss:.4g} > {self.factor:g} x the mean of the last {self.window}"
+        self.skipped += skipped
+        self.nan += bad_loss or bad_grad
+        self._interval[0] += skipped
+        self._interval[1] += bad_loss or bad_grad
+        if not skipped and math.isfinite(loss):
+            self.losses.append(loss)
+        self.verdict = {"skipped": skipped, "nan": bad_loss or bad_grad, "what": what}
+        return self.verdict
+
+    def take_interval(self) -> tuple[int, int]:
+        """(skipped, nan) iterations since the last call: the console line's counts."""
+        got, self._interval = tuple(self._interval), [0, 0]
+        return got
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "skipped": self.skipped, "nan": self.nan}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.losses.extend(sd.get("losses", []))
+        self.skipped, self.nan = sd.get("skipped", 0), sd.get("nan", 0)

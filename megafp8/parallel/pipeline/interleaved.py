@@ -16,7 +16,8 @@ neighbour receives it. Needs m to be a multiple of pp (``validate``).
 Execution is ``schedules.run_schedule``'s, per chunk: the last virtual stage backward-s its loss
 through the engine (DeepSpeed's 1/m), the others the surrogate ``(output * grad_output).sum()``;
 DeepSpeed's accumulation boundary is set by hand (True for the rank's last of its m x v
-backwards only), so ZeRO reduces and steps once per iteration; the tied embedding lives on
+backwards only), so ZeRO reduces and steps once per iteration, that step after the loss is
+known on every rank (``schedules.finish_iteration``); the tied embedding lives on
 rank 0 chunk 0 and rank pp - 1 chunk v - 1 and is handled as under 1F1B. FP8: the scales of
 a chunk's layers are updated per role after each of its forwards / backwards (only the metas
 that recorded an amax are updated), so each micro-batch uses one process's scales; TE's weight
@@ -29,8 +30,6 @@ import torch
 
 from megafp8.parallel.pipeline.schedules import (
     FORWARD_ROLES,
-    _share_tied_weight,
-    _tied,
     _token_weights,
     backward_step,
     finish_iteration,
@@ -102,14 +101,14 @@ def run_interleaved(run, order, batches, hooks=None, record=None):
         x, y = pending.pop((c, j))
         done += 1
         eng.set_gradient_accumulation_boundary(done == n_backward)
-        backward_step(run, pipe, x, y, j == m - 1, chunks[c], hooks)
+        backward_step(run, pipe, x, y, j == m - 1, chunks[c], hooks, step=done < n_backward)
         in_flight -= 1
     pipe.drain()
-    if _tied(run):  # rank 0 chunk 0 holds the embedding, rank pp - 1 chunk v - 1 the copy
-        _share_tied_weight(run, chunks[0] if g.coords.pp == 0 else chunks[-1])
     if record is not None:
         record.update(events=events, max_in_flight=peak)
-    return finish_iteration(run, last, total, n_total, m)
+    # the tied embedding: rank 0 chunk 0 holds it, rank pp - 1 chunk v - 1 the copy
+    tied = chunks[0] if g.coords.pp == 0 else chunks[-1]
+    return finish_iteration(run, last, total, n_total, m, hooks, tied_model=tied)
 
 
 @torch.no_grad()

@@ -14,7 +14,9 @@ engine (scaled by 1/m as one process); a stage before it backward-s the scalar s
 ``(output * grad_output).sum()``, whose gradient with respect to ``output`` is exactly the
 received ``grad_output`` (already scaled), so with ``scale_wrt_gas=False`` DeepSpeed's hooks,
 accumulation and ZeRO reduction see the gradients one process would have. ``engine.step()``
-follows every backward; DeepSpeed steps at the m-th.
+follows every backward; DeepSpeed steps at the m-th, the accumulation boundary, which every
+schedule calls last (``boundary_step``): after the iteration's loss is known on every rank, so
+the bad-step policy (``run.policy``, ``optim/zero.py``'s ``StepPolicy``) can withhold the update.
 
 Tied embeddings across stages: the last stage's output layer is a copy of the first stage's word
 embedding outside the optimizer. After its last backward the last stage sends the copy's
@@ -94,14 +96,32 @@ def no_pipelining(run, train_iter, hooks=None) -> tuple[float, float | None]:
             eng.backward(loss)
             total += loss.detach().float()
         run.backend.update()
-        eng.step()
-        if hooks is not None:
-            hooks.after_microbatch()
-    gn = eng.get_global_grad_norm()
-    gn = float(gn) if gn is not None else None
+        if i < gas - 1:  # the boundary's step waits for the loss
+            eng.step()
+            if hooks is not None:
+                hooks.after_microbatch()
     if per_token:  # sum over DP of the token-weighted sums, over the global token count
-        return dp_mean(total / n_total, run.groups) * run.groups.dp, gn
-    return dp_mean(total / gas, run.groups), gn
+        loss = dp_mean(total / n_total, run.groups) * run.groups.dp
+    else:
+        loss = dp_mean(total / gas, run.groups)
+    return loss, boundary_step(run, loss, hooks)
+
+
+def boundary_step(run, loss: float, hooks=None) -> float | None:
+    """The accumulation boundary's ``engine.step()`` (the optimizer update), once ``loss`` is
+    known on every rank: ``run.policy`` (where there is one) decides before it whether the update
+    happens and reads the gradient norm after it. Returns the grad norm."""
+    policy = getattr(run, "policy", None)
+    if policy is not None:
+        policy.before_step(loss)
+    run.engine.step()
+    gn = run.engine.get_global_grad_norm()
+    gn = float(gn) if gn is not None else None
+    if policy is not None:
+        policy.after_step(loss, gn)
+    if hooks is not None:
+        hooks.after_microbatch()
+    return gn
 
 
 def activation_shape(cfg, tp: int) -> tuple[int, int, int]:
@@ -157,14 +177,12 @@ def run_schedule(run, order, batches, hooks=None, record=None):
             peak = max(peak, in_flight)
             continue
         x, y = pending.pop(j)
-        backward_step(run, pipe, x, y, j == m - 1, run.model, hooks)
+        backward_step(run, pipe, x, y, j == m - 1, run.model, hooks, step=j < m - 1)
         in_flight -= 1
     pipe.drain()
-    if _tied(run):
-        _share_tied_weight(run)
     if record is not None:
         record.update(events=events, max_in_flight=peak)
-    return finish_iteration(run, st.last, total, n_total, m)
+    return finish_iteration(run, st.last, total, n_total, m, hooks)
 
 
 def pipeline_loss(run, last: bool, total, n_total, m: int) -> float:
@@ -179,22 +197,30 @@ def pipeline_loss(run, last: bool, total, n_total, m: int) -> float:
     return float(loss)
 
 
-def finish_iteration(run, last: bool, total, n_total, m: int) -> tuple[float, float | None]:
-    """(loss, grad norm), the same on every rank."""
-    gn = run.engine.get_global_grad_norm()
-    return pipeline_loss(run, last, total, n_total, m), float(gn) if gn is not None else None
+def finish_iteration(
+    run, last: bool, total, n_total, m: int, hooks=None, tied_model=None
+) -> tuple[float, float | None]:
+    """After the last backward: the loss on every rank, the boundary step, then the updated tied
+    embedding to the last stage's copy. (loss, grad norm), the same on every rank."""
+    loss = pipeline_loss(run, last, total, n_total, m)
+    gn = boundary_step(run, loss, hooks)
+    if _tied(run):
+        _share_tied_weight(run, tied_model)
+    return loss, gn
 
 
-def backward_step(run, pipe, x, y, last_mb: bool, model, hooks) -> None:
+def backward_step(run, pipe, x, y, last_mb: bool, model, hooks, step: bool = True) -> None:
     """A scheduled backward: the engine backward, the gradient-role scale update, the input
-    gradient to the previous stage, the engine step (DeepSpeed steps at the boundary)."""
+    gradient to the previous stage, the engine step unless this is the accumulation boundary
+    (``step=False``: ``finish_iteration`` steps once the loss is known everywhere)."""
     _backward(run, pipe, y, last_mb=last_mb, model=model)
     run.backend.update(BACKWARD_ROLES)
     if not model.stage.first:
         pipe.send_backward(x.grad)
-    run.engine.step()
-    if hooks is not None:
-        hooks.after_microbatch()
+    if step:
+        run.engine.step()
+        if hooks is not None:
+            hooks.after_microbatch()
 
 
 def _backward(run, pipe, y, last_mb: bool, model=None) -> None:

@@ -1,0 +1,68 @@
+"""Bad steps at pp = 1: a NaN loss or gradient stops the run naming the iteration, or (skip) its
+update does not happen: weights, ZeRO's fp32 partitions and Adam's moments and step counts are
+bit-identical across it, on every rank, while the iterations around it train; a loss spike is
+skipped the same way; both are counted in the console line (Megatron's fields)."""
+
+import pytest
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import tiny_config
+from tests.unit.bad_steps_util import train_injected
+
+
+def _cfg(zero=1, **train):
+    return tiny_config(
+        train=dict(micro_batch_size=2, global_batch_size=8, train_iters=6, **train),
+        optim=dict(zero_stage=zero),
+    )
+
+
+def _counts(lines, it):
+    """(skipped, nan) of the console line of iteration ``it``."""
+    (line,) = [x for x in lines if x.startswith(f" iteration {it:8d}/")]
+    field = lambda k: int(line.split(f"{k}: ")[1].split(" |")[0])  # noqa: E731
+    return field("number of skipped iterations"), field("number of nan iterations")
+
+
+def test_nan_stop_names_the_iteration():
+    _, _, _, err = run_distributed(train_injected, 1, _cfg(), {3: "nan"})[0]
+    assert err == "lm loss is nan at iteration 3"
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_nan_on_one_rank_and_spike_are_skipped(zero):
+    """dp 2, the NaN on rank 1 only; a x100 loss at iteration 5 once the window (2) is full."""
+    cfg = _cfg(zero, nan_policy="skip", check_for_spiky_loss=True, spiky_loss_window=2)
+    got = run_distributed(train_injected, 2, cfg, {3: "nan", 5: "spike"}, 1)
+    for hist, unchanged, _, err in got:
+        assert err is None and len(hist) == 6
+        assert unchanged == {1: False, 2: False, 3: True, 4: False, 5: True, 6: False}
+        assert [r["skipped"] for r in hist] == [False, False, True, False, True, False]
+        assert [r["iteration"] for r in hist] == [1, 2, 3, 4, 5, 6]  # the counter moves on
+    lines = got[0][2]
+    assert [_counts(lines, i) for i in range(1, 7)] == [(0, 0), (0, 0), (1, 1), (0, 0), (1, 0),
+                                                        (0, 0)]  # fmt: skip
+    assert "lm loss: NAN |" in [x for x in lines if x.startswith(" iteration        3/")][0]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_nan_gradient_with_a_finite_loss_is_skipped(zero):
+    """The grad norm is only known inside the step: DeepSpeed's ZeRO skips a non-finite one
+    itself, and at ZeRO 0 in fp32 the optimizer checks the gradients over every rank."""
+    cfg = _cfg(zero, nan_policy="skip")
+    got = run_distributed(train_injected, 2, cfg, {2: "nangrad"}, 0)
+    for _, unchanged, _, err in got:
+        assert err is None
+        assert unchanged == {i: i == 2 for i in range(1, 7)}
+    assert _counts(got[0][2], 2) == (1, 1)
+
+
+def test_nan_gradient_stop():
+    _, _, _, err = run_distributed(train_injected, 1, _cfg(), {2: "nangrad"})[0]
+    assert err.startswith("grad norm is ") and err.endswith(" at iteration 2")
+
+
+def test_no_exit_on_nan_is_skip():
+    cfg = _cfg(exit_on_nan=False)
+    _, unchanged, _, err = run_distributed(train_injected, 1, cfg, {2: "nan"})[0]
+    assert err is None and unchanged[2] and not unchanged[3]
