@@ -64,7 +64,8 @@ def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
 def command(launcher: str, nodes: int, gpus: int, argv: list[str]) -> list[str]:
     script = os.path.join(HERE, "pretrain_gpt.py")
     if launcher == "srun":
-        return ["srun", f"--nodes={nodes}", f"--ntasks-per-node={gpus}", "--kill-on-bad-exit=1",
+        return ["srun", f"--nodes={nodes}", f"--ntasks={nodes * gpus}", f"--ntasks-per-node={gpus}",
+                "--kill-on-bad-exit=1",
                 "bash", os.path.join(HERE, "launch/srun_task.sh"), "srun", sys.executable,
                 script, *argv]  # fmt: skip
     if gpus > 1:

@@ -31,7 +31,14 @@ from megafp8.optim.zero import StepPolicy, build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
 from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
 from megafp8.parallel.random import model_parallel_seed
-from megafp8.run_hooks import RunHooks, Signals
+from megafp8.run_hooks import (
+    RunHooks,
+    Signals,
+    check_launch,
+    exit_status,
+    launch_env,
+    preflight,
+)
 from megafp8.validate import validate
 
 log = logging.getLogger("megafp8")
@@ -398,26 +405,39 @@ def setup_logging(rank: int) -> None:
 
 
 def main(argv=None) -> int:
+    """Parse, check, train; the exit status is 0, 2 for bad input (one ``error:`` line), or
+    ``run_hooks.EXIT_REQUEUE`` when a signal stopped the run after a save (requeue to resume)."""
     try:
         cfg = parse_args(argv)
-        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-        validate(cfg, world)
+        env = launch_env()  # torchrun, an srun task or one process
+        check_launch(cfg, env)
+        validate(cfg, env.world)
         check_inputs(cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    setup_logging(int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))))
+    env.export()
+    setup_logging(env.rank)
     log.info(
         "data-parallel size %d, tp %d, pp %d",
-        data_parallel_size(cfg, world),
+        data_parallel_size(cfg, env.world),
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
     )
-    train(cfg)
+    groups, device = init_distributed(cfg)
+    if env.world > 1:
+        try:
+            preflight(device, env.rank, env.world)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    run = build_run(cfg, groups, device)
+    train(cfg, run)
+    status = exit_status(run.cfg, run.iteration, env.rank)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":
