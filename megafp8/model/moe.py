@@ -152,7 +152,7 @@ class MoELayer(nn.Module):
         dev = device or "cpu"
         w = full_normal((self.e, m.hidden_size), m.init_method_std,
                         param_seed(seed, f"{name}.router"), dev, torch.float32)  # fmt: skip
-        self.router = mark_full(nn.Parameter(w), f"{name}.router.weight")  # fp32 always
+        self.router = mark_full(nn.Parameter(w), f"{name}.router.weight")  # the GEMM runs in fp32
         kw = dict(backend=backend, seed=seed, fp8=fp8, dtype=dtype, device=device)
         self.experts = nn.ModuleList(
             Expert(cfg, m.moe_ffn, name=f"{name}.experts.{i}", **kw) for i in range(self.e)
@@ -167,7 +167,7 @@ class MoELayer(nn.Module):
     def forward(self, x):  # [s, b, h] -> [s, b, h]
         s, b, h = x.shape
         xt = x.reshape(-1, h)  # [T, h]
-        logits = xt.float() @ self.router.t()  # [T, E], fp32
+        logits = xt.float() @ self.router.float().t()  # [T, E], fp32 (whatever the weights' dtype)
         probs, idx, full = route(logits, self.k, self.score, self.pre)
         counts = torch.bincount(idx.reshape(-1), minlength=self.e)  # assignments per expert
         keep = torch.ones_like(idx, dtype=torch.bool)

@@ -268,7 +268,8 @@ def test_fp8_stats_on_gpu(backend):
 @pytest.mark.parametrize("backend", ["te", "torch"])
 def test_moe_trains_in_fp8_on_gpu(backend):
     """A tiny MoE GPT (4 experts, top-2, aux and z losses) trains in FP8 on both backends: the
-    experts' GEMMs take their token rows padded to 16, the router stays fp32."""
+    experts' GEMMs take their token rows padded to 16, the router's GEMM runs in fp32 from the
+    bf16 weights DeepSpeed holds."""
     if backend == "te":
         _te()
     os.environ.setdefault("MASTER_PORT", "29535")
@@ -287,7 +288,6 @@ def test_moe_trains_in_fp8_on_gpu(backend):
     )  # fmt: skip
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
-    assert run.model.layers["0"].mlp.router.dtype == torch.float32
     losses = [r["lm loss"] for r in train(cfg, run)]
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3

@@ -207,3 +207,13 @@ def test_an_expert_without_tokens_still_gets_a_zero_gradient():
     for e in idle:
         for p in layer.experts[e].parameters():
             assert p.grad is not None and not p.grad.any()
+
+
+def test_bf16_layer_routes_in_fp32():
+    """Under --bf16 DeepSpeed holds the router's weight in bf16; the routing GEMM, the softmax
+    and the losses still run in fp32."""
+    layer = _layer(_cfg()).to(torch.bfloat16)
+    seen = []
+    layer.register_forward_hook(lambda m, i, o: seen.append(m.stats["z_loss"].dtype))
+    out = layer(torch.randn(8, 2, 64).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and seen == [torch.float32]
