@@ -239,6 +239,31 @@ def check_launch(cfg, env: LaunchEnv, gpus: int | None = None) -> None:
         )
 
 
+def reach_master(addr: str, port: int, rank: int, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+    """Before a process group: the rendezvous host resolves and, from a rank other than 0 (rank 0
+    hosts the store), accepts a TCP connection within ``timeout_s`` (the store may start late:
+    retried every second). Raises ValueError with one line naming the host, port and rank."""
+    where = f"rank {rank} on {socket.gethostname()}"
+    try:
+        socket.getaddrinfo(addr, port)
+    except OSError as exc:
+        raise ValueError(f"MASTER_ADDR={addr} does not resolve from {where} ({exc})") from None
+    if rank == 0:
+        return
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=5):
+                return
+        except OSError as exc:
+            last = exc
+            time.sleep(1.0)
+    raise ValueError(
+        f"MASTER_ADDR={addr}:{port} is not reachable from {where} within {timeout_s:.0f} s "
+        f"({last}): is rank 0 running, and is the address one every node reaches?"
+    )
+
+
 def preflight(device, rank: int, world: int, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
     """One all-reduce of ones over every rank, waited on for ``timeout_s``; on GPUs, also no two
     ranks of a host on the same device. Raises RuntimeError with one line naming this rank."""

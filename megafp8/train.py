@@ -38,6 +38,7 @@ from megafp8.run_hooks import (
     exit_status,
     launch_env,
     preflight,
+    reach_master,
 )
 from megafp8.validate import validate
 
@@ -417,6 +418,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     env.export()
+    if env.world > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        try:  # an unreachable rendezvous is one line, not a hang until the collective timeout
+            reach_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.rank)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     setup_logging(env.rank)
     log.info(
         "data-parallel size %d, tp %d, pp %d",

@@ -1,9 +1,15 @@
 """Where a process sits (torchrun, srun task, alone) and the launch checks; no Slurm needed."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from megafp8.run_hooks import EXIT_REQUEUE, LaunchEnv, check_launch, launch_env
 from tests.helpers.tiny import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SRUN = {
     "SLURM_STEP_ID": "0",
@@ -46,3 +52,27 @@ def test_task_count_and_gpus_per_node():
 
 def test_requeue_status_is_tempfail():
     assert EXIT_REQUEUE == 75
+
+
+def test_unreachable_master_is_one_line(tmp_path):
+    """A rank that cannot resolve or reach MASTER_ADDR stops with one line naming it, before any
+    process group (not a hang until the collective timeout)."""
+    import socket
+
+    from megafp8.run_hooks import reach_master
+
+    with pytest.raises(ValueError, match=r"^MASTER_ADDR=no-such-host.invalid does not resolve"):
+        reach_master("no-such-host.invalid", 29500, rank=1)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    unreachable = rf"MASTER_ADDR=127.0.0.1:{port} is not reachable from rank 1"
+    with pytest.raises(ValueError, match=unreachable):
+        reach_master("127.0.0.1", port, rank=1, timeout_s=2)
+    reach_master("127.0.0.1", port, rank=0)  # rank 0 hosts it: only the name must resolve
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
+               MASTER_ADDR="no-such-host.invalid", MASTER_PORT="29500")  # fmt: skip
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data", "--num-layers", "2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: MASTER_ADDR=no-such-host")
+    assert len(r.stderr.strip().splitlines()) == 1
