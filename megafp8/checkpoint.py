@@ -178,6 +178,46 @@ def latest_tag(load_dir: str) -> str | None:
     return tag
 
 
+# what a checkpoint's shards depend on: (section, field); a run loading it must agree
+SHAPE = [("model", f) for f in (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "position_embedding_type", "normalization", "swiglu",
+    "untie_embeddings_and_output_weights", "add_bias_linear", "apply_layernorm_1p",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+)] + [("parallel", f) for f in (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+)]  # fmt: skip
+
+
+def check_compatible(load_dir: str, cfg) -> None:
+    """Before any process group: the checkpoint ``latest`` names in ``load_dir`` (if any) was
+    written by a model of this run's shape in this layout. Raises ValueError, one line naming the
+    file and every differing value; a foreign or unreadable record is named too."""
+    tag = latest_tag(load_dir)
+    if tag is None:
+        return
+    path = os.path.join(load_dir, tag, "megafp8.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)["config"]
+        pairs = [(sec, name, saved[sec].get(name), getattr(getattr(cfg, sec), name))
+                 for sec, name in SHAPE if name in saved.get(sec, {})]  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a readable megafp8 checkpoint record ({exc!r})") from None
+    # a value this run leaves to be derived (None: the tokenizer's vocab, 4h, all heads) is not
+    # compared; the layout and every value given must match
+    diff = [(n, a, b) for _, n, a, b in pairs if b is not None and a != b]
+    if diff:
+        had = ", ".join(f"{n}={a!r}" for n, a, _ in diff)
+        has = ", ".join(f"{n}={b!r}" for n, _, b in diff)
+        raise ValueError(
+            f"{path} was written with {had}; this run has {has}: load it with the same shape "
+            "and layout (megafp8-hf export / import moves weights to another layout)"
+        )
+
+
 def load(
     engine, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True
 ) -> tuple[dict, dict] | None:

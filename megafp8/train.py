@@ -77,6 +77,8 @@ def check_inputs(cfg: Config) -> None:
     check_run_tokenizer(cfg)  # type, files, vocab_size, and each dataset's ids and EOD
     if cfg.train.load and not os.path.isdir(cfg.train.load):
         raise ValueError(f"load: {cfg.train.load} is not a directory")
+    if cfg.train.load:
+        checkpoint.check_compatible(cfg.train.load, cfg)
 
 
 def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:

@@ -1,0 +1,54 @@
+"""--load of a checkpoint written by another model shape or layout, or with a foreign record: one
+line naming the file and the values, exit status 2, before any process group or file is touched."""
+
+import json
+import os
+
+from megafp8.train import main
+
+
+def _fake_checkpoint(root, config: dict, record: str | None = None) -> str:
+    """A ``latest`` and an iteration directory whose record holds ``config`` (no shards: the
+    check must come before anything reads them)."""
+    d = os.path.join(root, "ck")
+    os.makedirs(os.path.join(d, "iter_0000003"))
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("iter_0000003")
+    with open(os.path.join(d, "iter_0000003", "megafp8.json"), "w") as f:
+        f.write(record if record is not None else json.dumps(
+            {"format_version": 1, "iteration": 3, "config": config}))  # fmt: skip
+    return d
+
+
+FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "256", "--train-iters", "4"]  # fmt: skip
+
+
+def test_another_shape_or_layout_is_one_line(tmp_path, capsys):
+    saved = {
+        "model": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4},
+        "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1},
+    }
+    d = _fake_checkpoint(tmp_path, saved)
+    before = sorted(os.listdir(d))
+    assert main([*FLAGS, "--load", d]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {d}/iter_0000003/megafp8.json")
+    assert "hidden_size=128, tensor_model_parallel_size=2; this run has hidden_size=64" in err
+    assert sorted(os.listdir(d)) == before  # nothing written
+
+
+def test_foreign_record_is_one_line(tmp_path, capsys):
+    d = _fake_checkpoint(tmp_path, {}, record="not json at all")
+    assert main([*FLAGS, "--load", d]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a readable megafp8 checkpoint record" in err
+
+
+def test_same_shape_passes_the_check(tmp_path):
+    from megafp8.checkpoint import check_compatible
+    from megafp8.cli import parse_args
+
+    cfg = parse_args(FLAGS)
+    d = _fake_checkpoint(tmp_path, cfg.to_dict())
+    check_compatible(d, cfg)  # no error
