@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megafp8 import checkpoint, metrics
+from megafp8 import checkpoint, metrics, train_log
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
@@ -265,7 +265,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             run.backend.start_fp8_stats()
         loss, gnorm = train_step(run, train_iter, hooks)
         if fp8_stats:
-            tb.scalars(_fp8_stats(run), run.iteration + 1)
+            tb.scalars(train_log.fp8_stats(run), run.iteration + 1)
         run.iteration += 1
         run.consumed += gbs  # a skipped iteration consumed its batch too (Megatron's)
         verdict = run.policy.verdict
@@ -289,9 +289,9 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
                 rec["throughput per GPU (TFLOP/s/GPU)"] = tflops
                 rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
             rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
-            _log_line(run, rec, gbs, tb, rank0)
+            train_log.log_line(run, rec, gbs, tb, rank0)
             if cfg.model.num_experts:
-                tb.scalars(_gather_pp(run, moe_metrics(run.model)), run.iteration)
+                tb.scalars(train_log.gather_pp(run, moe_metrics(run.model)), run.iteration)
             timer.start()
         history.append(rec)
         hooks.after_step(run.iteration)
@@ -317,15 +317,6 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     return history
 
 
-def _gather_pp(run: Run, stats: dict) -> dict:
-    """Every pipeline stage's entries of ``stats`` (a dict per rank), on every rank."""
-    if run.groups.pp == 1:
-        return stats
-    every = [None] * run.groups.pp
-    dist.all_gather_object(every, stats, group=run.groups.pp_group)
-    return {k: v for s in every for k, v in s.items()}
-
-
 def _attach_policies(run: Run, rank0: bool) -> None:
     """The bad-step policy (NaN, spikes) and, with FP8, the overflow guard (README, Bad steps)."""
     if run.policy is None:
@@ -334,55 +325,6 @@ def _attach_policies(run: Run, rank0: bool) -> None:
         n = run.cfg.fp8.fp8_overflow_fallback_steps
         layers = run.cfg.model.num_layers
         run.fp8_guard = Fp8OverflowGuard(run.backend, run.model, layers, n, rank0, run.device)
-
-
-def _fp8_stats(run: Run) -> dict:
-    """This rank's FP8 statistics and, under PP, every stage's (gathered over the pipeline
-    group), as TensorBoard tags: "layers.3.attn.qkv.x/amax" is "fp8/layers.3.attn.qkv/x/amax"."""
-    stats = _gather_pp(run, run.backend.fp8_stats(run.model))
-    out = {}
-    for k, v in stats.items():
-        name, stat = k.split("/")
-        gemm, role = name.rsplit(".", 1)
-        out[f"fp8/{gemm}/{role}/{stat}"] = v
-    return out
-
-
-def _log_line(run: Run, rec: dict, gbs: int, tb, rank0: bool) -> None:
-    cfg = run.cfg
-    vals = {
-        "consumed samples": run.consumed,
-        **{k: rec.get(k) for k in ("elapsed time per iteration (ms)", "learning rate")},
-        "global batch size": gbs,
-        "lm loss": rec["lm loss"],
-        "grad norm": rec["grad norm"],
-    }
-    skipped, nans = run.policy.take_interval() if run.policy else (None, None)
-    vals["number of skipped iterations"], vals["number of nan iterations"] = skipped, nans
-    for k in (
-        "tokens per second",
-        "throughput per GPU (TFLOP/s/GPU)",
-        "MFU (%)",
-        "peak memory (GB)",
-    ):
-        vals[k] = rec.get(k)
-    if rank0:
-        log.info(metrics.format_line(run.iteration, cfg.train.train_iters, vals))
-        tb.scalars(
-            {
-                "lm loss": rec["lm loss"],
-                "learning-rate": rec["learning rate"],
-                "grad-norm": rec["grad norm"],
-                "tokens-per-second": rec.get("tokens per second"),
-                "tflops-per-gpu": rec.get("throughput per GPU (TFLOP/s/GPU)"),
-                "mfu": rec.get("MFU (%)"),
-                "peak-memory-gb": rec["peak memory (GB)"],
-                "consumed-samples": run.consumed,
-                "skipped-iterations": skipped,
-                "nan-iterations": nans,
-            },
-            run.iteration,
-        )
 
 
 def _eval_and_log(run: Run, tb, rank0: bool) -> None:

@@ -1,0 +1,70 @@
+"""What the training loop logs at each log interval: the console line (Megatron's layout), its
+TensorBoard scalars, and the FP8 statistics gathered from every pipeline stage."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from megafp8 import metrics
+
+log = logging.getLogger("megafp8")
+
+
+def gather_pp(run, stats: dict) -> dict:
+    """Every pipeline stage's entries of ``stats`` (a dict per rank), on every rank."""
+    if run.groups.pp == 1:
+        return stats
+    every = [None] * run.groups.pp
+    dist.all_gather_object(every, stats, group=run.groups.pp_group)
+    return {k: v for s in every for k, v in s.items()}
+
+
+def fp8_stats(run) -> dict:
+    """This rank's FP8 statistics and, under PP, every stage's (gathered over the pipeline
+    group), as TensorBoard tags: "layers.3.attn.qkv.x/amax" is "fp8/layers.3.attn.qkv/x/amax"."""
+    stats = gather_pp(run, run.backend.fp8_stats(run.model))
+    out = {}
+    for k, v in stats.items():
+        name, stat = k.split("/")
+        gemm, role = name.rsplit(".", 1)
+        out[f"fp8/{gemm}/{role}/{stat}"] = v
+    return out
+
+
+def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
+    cfg = run.cfg
+    vals = {
+        "consumed samples": run.consumed,
+        **{k: rec.get(k) for k in ("elapsed time per iteration (ms)", "learning rate")},
+        "global batch size": gbs,
+        "lm loss": rec["lm loss"],
+        "grad norm": rec["grad norm"],
+    }
+    skipped, nans = run.policy.take_interval() if run.policy else (None, None)
+    vals["number of skipped iterations"], vals["number of nan iterations"] = skipped, nans
+    for k in (
+        "tokens per second",
+        "throughput per GPU (TFLOP/s/GPU)",
+        "MFU (%)",
+        "peak memory (GB)",
+    ):
+        vals[k] = rec.get(k)
+    if rank0:
+        log.info(metrics.format_line(run.iteration, cfg.train.train_iters, vals))
+        tb.scalars(
+            {
+                "lm loss": rec["lm loss"],
+                "learning-rate": rec["learning rate"],
+                "grad-norm": rec["grad norm"],
+                "tokens-per-second": rec.get("tokens per second"),
+                "tflops-per-gpu": rec.get("throughput per GPU (TFLOP/s/GPU)"),
+                "mfu": rec.get("MFU (%)"),
+                "peak-memory-gb": rec["peak memory (GB)"],
+                "consumed-samples": run.consumed,
+                "skipped-iterations": skipped,
+                "nan-iterations": nans,
+            },
+            run.iteration,
+        )
