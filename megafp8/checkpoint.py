@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 
+import torch
 import torch.distributed as dist
 
 FORMAT_VERSION = 1
@@ -75,8 +76,11 @@ def save(
     meta: dict,
     most_recent_k: int | None = None,
     retain_interval: int | None = None,
+    rank_files: dict | None = None,
 ) -> str:
-    """Every rank calls this; returns the final checkpoint path."""
+    """Every rank calls this; returns the final checkpoint path. ``rank_files``: more files
+    this rank writes into the checkpoint (name -> object for torch.save), inside the same
+    atomic step."""
     tag = tag_for(iteration)
     tmp_root = os.path.join(save_dir, f".tmp-{tag}")
     final = os.path.join(save_dir, tag)
@@ -86,6 +90,8 @@ def save(
         shutil.rmtree(tmp_root, ignore_errors=True)
     _barrier()
     engine.save_checkpoint(tmp_root, tag=tag, client_state=client_state, save_latest=False)
+    for name, obj in (rank_files or {}).items():
+        torch.save(obj, os.path.join(tmp_root, tag, name))
     _barrier()
     if rank0:
         with open(os.path.join(tmp_root, tag, "megafp8.json"), "w") as f:

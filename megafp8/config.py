@@ -108,6 +108,10 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = _f(
         False, "run every expert on exactly its capacity rows (zero padding)"
     )
+    moe_token_dispatcher_type: str = _f(
+        "alltoall", "how tokens reach the experts other ranks hold (expert parallelism)",
+        ("alltoall", "allgather"),
+    )  # fmt: skip
 
     @property
     def ffn(self) -> int:
@@ -146,7 +150,7 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = _f(
         None, "layers of the last pipeline stage (None: an even split)"
     )
-    expert_model_parallel_size: int = _f(1, "expert-parallel ranks (ep; only 1 today)")
+    expert_model_parallel_size: int = _f(1, "expert-parallel ranks (ep): the experts split over")
     sequence_parallel: bool = _f(
         False, "shard norms, dropout and the residual stream along the sequence"
     )

@@ -148,12 +148,6 @@ TABLE = [
         "the experts' GEMMs run in a loop over the experts (FP8 where the layer is)",
     ),
     _f(
-        "moe-token-dispatcher-type",
-        str,
-        "notice",
-        "without expert parallelism every rank runs every expert: no token exchange",
-    ),
-    _f(
         "moe-router-enable-expert-bias",
         "switch",
         "refuse",

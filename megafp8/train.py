@@ -24,8 +24,10 @@ from megafp8 import checkpoint, metrics, train_log
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
+from megafp8.fp8.recipe import is_expert_key
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
 from megafp8.model.moe import moe_metrics
+from megafp8.optim.experts import expert_files, load_experts
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import StepPolicy, build_engine, set_lr
 from megafp8.parallel.groups import ParallelGroups
@@ -125,6 +127,7 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     backend = build_backend(
         cfg.fp8,
         amax_group=groups.tp_dp_group,
+        expert_amax_group=groups.tp_edp_group,
         tp_group=groups.tp_group,
         attention_backend=cfg.model.attention_backend,
     )
@@ -194,8 +197,9 @@ def save(run: Run) -> None:
     meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict()}
     t = run.cfg.train
     checkpoint.save(
-        run.engine, t.save, run.iteration, client, meta, t.most_recent_k, t.save_retain_interval
-    )
+        run.engine, t.save, run.iteration, client, meta, t.most_recent_k, t.save_retain_interval,
+        rank_files=expert_files(run.groups, run.model, run.backend),
+    )  # fmt: skip
 
 
 def resume(run: Run) -> bool:
@@ -208,7 +212,12 @@ def resume(run: Run) -> bool:
         return False
     client, meta = got
     run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
+    if run.groups.ep > 1:  # the client state holds EP rank 0's experts: they come from their file
+        client["fp8"] = {k: v for k, v in client["fp8"].items() if not is_expert_key(k)}
     run.backend.load_state_dict(client["fp8"])
+    if run.groups.ep > 1:
+        tag_dir = os.path.join(t.load, checkpoint.tag_for(run.iteration))
+        load_experts(tag_dir, run.groups, run.model, run.backend, run.engine, t.load_optim)
     if run.policy is not None:
         run.policy.load_state_dict(client.get("bad_steps", {}))
     if run.fp8_guard is not None:

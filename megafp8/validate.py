@@ -84,8 +84,8 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
         )
     if p.sequence_parallel and tp == 1:
         e.append("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1)")
-    if ep > 1:
-        e.append(f"expert_model_parallel_size={ep}: expert parallelism (MoE) is not available yet")
+    if ep > 1 and not cfg.model.num_experts:
+        e.append(f"expert_model_parallel_size={ep} needs --num-experts (an MoE model)")
     vpp = p.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1 and pp == 1:
         e.append(
@@ -197,6 +197,11 @@ def _moe(cfg: Config, e: list[str]) -> None:
     """Mixture of experts: counts, k <= E, what is not available yet."""
     m, p = cfg.model, cfg.parallel
     if not m.num_experts:
+        base = type(m)()
+        given = {f: getattr(m, f) for f in vars(base) if f.startswith("moe_")}
+        given = {f: v for f, v in given.items() if v != getattr(base, f)}
+        if given:
+            e.append(f"{given} without num_experts: the MoE flags need --num-experts")
         return
     if m.num_experts < 1 or not 1 <= m.moe_router_topk <= m.num_experts:
         e.append(f"moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]")
@@ -208,10 +213,13 @@ def _moe(cfg: Config, e: list[str]) -> None:
         e.append(f"moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         e.append("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
-    if p.tensor_model_parallel_size > 1:
+    ep = p.expert_model_parallel_size
+    if m.num_experts % ep:
+        e.append(f"num_experts={m.num_experts} is not divisible by expert_model_parallel_size={ep}")
+    if ep > 1 and cfg.optim.zero_stage not in (1, 2):
         e.append(
-            f"num_experts={m.num_experts} with tensor_model_parallel_size="
-            f"{p.tensor_model_parallel_size}: MoE layers are not split over TP yet (use DP or PP)"
+            f"expert_model_parallel_size={ep} with zero_stage={cfg.optim.zero_stage}: expert "
+            "parallelism shards the experts' optimizer state with ZeRO 1 or 2 (--zero-stage 1|2)"
         )
     f = cfg.fp8
     if f.enabled:

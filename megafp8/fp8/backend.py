@@ -363,9 +363,12 @@ def resolve_backend_name(f) -> str:
     return f.fp8_backend
 
 
-def build_backend(f, *, amax_group, tp_group, attention_backend: str = "auto") -> Backend:
+def build_backend(
+    f, *, amax_group, tp_group, attention_backend: str = "auto", expert_amax_group=None
+) -> Backend:
     """From an ``Fp8Config``. ``amax_group``: every rank holding a shard or replica of the same
-    tensors (TP x DP), over which FP8 amaxes are reduced; ``tp_group``: this rank's TP group.
+    tensors (TP x DP), over which FP8 amaxes are reduced; ``expert_amax_group``: the same for the
+    routed experts (TP x expert-DP; default ``amax_group``); ``tp_group``: this rank's TP group.
     ``attention_backend`` (Megatron's flag) picks the te backend's attention kernels."""
     from megafp8.fp8.recipe import Fp8Recipe
 
@@ -395,7 +398,9 @@ def build_backend(f, *, amax_group, tp_group, attention_backend: str = "auto") -
     if name == "torch" and recipe is not None:
         from megafp8.fp8.torch_backend import TorchBackend
 
-        backend = TorchBackend(recipe, amax_group=amax_group, gemm=f.fp8_gemm)
+        backend = TorchBackend(
+            recipe, amax_group=amax_group, gemm=f.fp8_gemm, expert_amax_group=expert_amax_group
+        )
         if f.fp8_overflow_fallback_steps is not None:
             backend.state.watch_overflow(f.fp8_overflow_saturated_share)
         return backend

@@ -161,6 +161,11 @@ class ScalingMeta:
         self.scale = sd["scale"].to(self.scale)
 
 
+def is_expert_key(key: str) -> bool:
+    """A routed expert's GEMM (``...mlp.experts.<i>.fc1.x``); the shared expert is dense."""
+    return ".experts." in key
+
+
 class ScaleTape:
     """The scales of one checkpointed region's forward, in cast order (see the module doc)."""
 
@@ -186,9 +191,11 @@ class Fp8State:
     reducing over DP alone lets TP ranks pick different scales for one logical tensor.
     """
 
-    def __init__(self, recipe: Fp8Recipe, *, amax_group):
+    def __init__(self, recipe: Fp8Recipe, *, amax_group, expert_amax_group=None):
         world(amax_group)  # required, even of size 1
         self.recipe, self.amax_group = recipe, amax_group
+        # experts differ between expert-parallel ranks: theirs are reduced over their replicas
+        self.expert_amax_group = amax_group if expert_amax_group is None else expert_amax_group
         self.metas: dict[str, ScalingMeta] = {}
         self.tape: ScaleTape | None = None
         self.stats: dict[str, torch.Tensor] | None = None
@@ -273,11 +280,14 @@ class Fp8State:
         ]
         if not metas:
             return
-        if world(self.amax_group) > 1:
-            cur = torch.stack([m.amax_history[0] for m in metas])
-            dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=self.amax_group)
-            for m, a in zip(metas, cur, strict=True):
-                m.amax_history[0] = a
+        expert = [m for m in metas if is_expert_key(m.key)]
+        dense = [m for m in metas if not is_expert_key(m.key)]
+        for group, ms in ((self.amax_group, dense), (self.expert_amax_group, expert)):
+            if ms and world(group) > 1:
+                cur = torch.stack([m.amax_history[0] for m in ms])
+                dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=group)
+                for m, a in zip(ms, cur, strict=True):
+                    m.amax_history[0] = a
         for m in metas:
             m.update_from_history()
 

@@ -95,10 +95,12 @@ class Fp8Linear(PlainLinear):
 class TorchBackend(Backend):
     name, fp8 = "torch", True
 
-    def __init__(self, recipe: Fp8Recipe, *, amax_group, gemm: str = "auto"):
+    def __init__(
+        self, recipe: Fp8Recipe, *, amax_group, gemm: str = "auto", expert_amax_group=None
+    ):
         if recipe.recipe == "mxfp8":
             raise ValueError("fp8_recipe='mxfp8' needs the te backend")
-        self.state = Fp8State(recipe, amax_group=amax_group)
+        self.state = Fp8State(recipe, amax_group=amax_group, expert_amax_group=expert_amax_group)
         self.gemm = gemm
 
     def make_linear(

@@ -85,7 +85,8 @@ class TransformerBlock(nn.Module):
             t = cfg.train
             micro = global_batch_size(cfg, groups.dp) // (t.micro_batch_size * groups.dp)
             self.mlp = MoELayer(cfg, backend=backend, layer=layer, seed=seed, fp8=fp8,
-                                dtype=dtype, device=device, aux_scale=1.0 / micro)  # fmt: skip
+                                dtype=dtype, device=device, aux_scale=1.0 / micro,
+                                groups=groups)  # fmt: skip
         elif norm and backend.fuses_mlp:
             fused = dict(groups=groups, layer=layer, seed=seed, fp8=fp8, dtype=dtype, device=device)
             self.mlp = backend.make_fused_mlp(cfg, **fused)

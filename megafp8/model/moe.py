@@ -17,7 +17,8 @@ probability (``probs``) or the latest position (``position``), and the dropped c
 the metrics. ``moe_pad_expert_input_to_capacity`` runs every expert on exactly its capacity rows.
 
 Experts: E MLPs (fc1 -> GELU or SwiGLU -> fc2, ``moe_ffn_hidden_size`` wide), each GEMM from the
-backend (FP8 where the layer is), run in a loop over the experts with tokens grouped by expert;
+backend (FP8 where the layer is), split over the expert-parallel ranks (moe_dispatch.py moves the
+tokens), run in a loop over this rank's experts with tokens grouped by expert;
 under FP8 each expert's row count is padded with zero rows to a multiple of 16 (the FP8 GEMM
 alignment; zero rows change neither the amax nor the result). An optional shared expert (a dense
 MLP of ``moe_shared_expert_intermediate_size``) sees every token and is added. Experts' weights
@@ -32,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8.parallel.layers import full_normal, mark_full, param_seed
+from megafp8.parallel import mappings as M
+from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, param_seed
+from megafp8.parallel.mappings import SOLO
 
 FP8_ROWS = 16
 
@@ -52,8 +55,6 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 def _linear(backend, n_in, n_out, *, name, std, seed, bias, fp8, dtype, device):
-    from megafp8.parallel.mappings import SOLO
-
     lin = backend.make_linear(n_in, n_out, bias, name=name, group=SOLO, fp8=fp8, dtype=dtype,
                               device=device)  # fmt: skip
     with torch.no_grad():
@@ -110,8 +111,12 @@ def route(logits: torch.Tensor, k: int, score: str, pre_softmax: bool):
 
 def aux_loss(scores: torch.Tensor, counts: torch.Tensor, k: int, coeff: float) -> torch.Tensor:
     """coeff x E / (T^2 k) x sum_e (sum_t scores_te) x counts_e."""
-    t, e = scores.shape
-    return coeff * e / (t * t * k) * (scores.sum(0) * counts.float()).sum()
+    return aux_loss_of_sums(scores.sum(0), counts, scores.shape[0], k, coeff)
+
+
+def aux_loss_of_sums(score_sum, counts, t: int, k: int, coeff: float) -> torch.Tensor:
+    """The same from the per-expert score sums [E] and counts [E] over ``t`` tokens."""
+    return coeff * score_sum.shape[0] / (t * t * k) * (score_sum * counts.float()).sum()
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
@@ -135,34 +140,92 @@ def capacity_keep(probs, idx, e: int, cap: int, policy: str) -> torch.Tensor:
 
 
 class MoELayer(nn.Module):
-    """Router + E experts (+ a shared expert); x [s, b, h] -> [s, b, h]."""
+    """Router + this rank's experts (+ a shared expert); x [s, b, h] -> [s, b, h].
+
+    ``groups`` (a ParallelGroups) places it: the experts split over ``groups.ep_group`` (this
+    rank holds experts [r L, (r + 1) L) of E, L = E / ep; model/moe_dispatch.py moves the
+    tokens), replicated over TP (expert tensor parallelism 1); under sequence parallelism the
+    layer sees this rank's sequence shard, so the router's and experts' gradients are summed
+    over TP and the load-balancing statistics are those of the whole sequence."""
 
     def __init__(
-        self, cfg, *, backend, layer: int, seed: int, fp8: bool, dtype, device, aux_scale=1.0
-    ):
+        self, cfg, *, backend, layer: int, seed: int, fp8: bool, dtype, device, aux_scale=1.0,
+        groups=None,
+    ):  # fmt: skip
         super().__init__()
+        from megafp8.model.moe_dispatch import make_dispatcher
+        from megafp8.parallel.groups import ParallelGroups
+
         m = cfg.model
+        groups = groups or ParallelGroups.single()
         self.e, self.k = m.num_experts, m.moe_router_topk
         self.score, self.pre = m.moe_router_score_function, m.moe_router_pre_softmax
         self.lb, self.aux_coeff = m.moe_router_load_balancing_type, m.moe_aux_loss_coeff
         self.z_coeff, self.cap_factor = m.moe_z_loss_coeff, m.moe_expert_capacity_factor
         self.drop_policy, self.pad = m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity
         self.fp8 = fp8 and backend.fp8
+        self.dispatcher = make_dispatcher(m.moe_token_dispatcher_type, groups.ep_group, self.e)
+        self.ep, local = self.dispatcher.ep, self.dispatcher.local
+        first = groups.coords.ep * local
+        self.sp_group = groups.tp_group if cfg.parallel.sequence_parallel else SOLO
         name = f"layers.{layer}.mlp"
         dev = device or "cpu"
         w = full_normal((self.e, m.hidden_size), m.init_method_std,
                         param_seed(seed, f"{name}.router"), dev, torch.float32)  # fmt: skip
         self.router = mark_full(nn.Parameter(w), f"{name}.router.weight")  # the GEMM runs in fp32
         kw = dict(backend=backend, seed=seed, fp8=fp8, dtype=dtype, device=device)
-        self.experts = nn.ModuleList(
-            Expert(cfg, m.moe_ffn, name=f"{name}.experts.{i}", **kw) for i in range(self.e)
+        self.experts = nn.ModuleList(  # local index i is global expert first + i
+            Expert(cfg, m.moe_ffn, name=f"{name}.experts.{first + i}", **kw) for i in range(local)
         )
+        for p in self.experts.parameters():
+            p.expert = True  # reduced over the expert-data-parallel group (optim/zero.py)
         self.shared = None
         if m.moe_shared_expert_intermediate_size:
             self.shared = Expert(cfg, m.moe_shared_expert_intermediate_size,
                                  name=f"{name}.shared_expert", **kw)  # fmt: skip
+        for p in self.parameters():  # each TP rank saw its own tokens
+            allreduce_grad_hook(p, self.sp_group)
         self.aux_scale = aux_scale  # the lm loss's backward scale: 1 / micro-batches
         self.stats: dict[str, torch.Tensor] = {}
+
+    def _run_experts(self, rows, counts, cap):
+        """The local experts on their rows (grouped by expert), zero-padded as FP8 needs."""
+        h, outs, extra, start = rows.shape[-1], [], 0.0, 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            inp = rows[start : start + n]
+            start += n
+            want = cap * self.ep if (cap is not None and self.pad) else n
+            if self.fp8:
+                want = -(-want // FP8_ROWS) * FP8_ROWS
+            if n == 0:  # no tokens: zero rows, so every expert has a (zero) gradient
+                y = expert(rows.new_zeros(max(want, FP8_ROWS), h))
+                extra = extra + 0.0 * y.sum()
+                outs.append(y[:0])
+                continue
+            if want > n:  # zero rows: padding for the capacity or the FP8 alignment
+                inp = torch.cat([inp, inp.new_zeros(want - n, h)])
+            outs.append(expert(inp)[:n])  # [n_e, h]
+        return torch.cat(outs), extra
+
+    def _losses(self, logits, full, counts):
+        """The load-balancing and z losses, over the whole sequence under SP; returns (the
+        losses this rank backpropagates, their values to report)."""
+        t, sp = logits.shape[0], M.world(self.sp_group)
+        losses, report = {}, {}
+        if self.lb == "aux_loss" and self.aux_coeff:
+            score_sum = full.sum(0)
+            if sp > 1:  # every rank's loss is the whole sequence's; each backprops its own rows
+                score_sum = M.reduce_from_tensor_parallel_region(score_sum, self.sp_group)
+                counts = M.all_reduce(counts.clone(), self.sp_group)
+            losses["load_balancing_loss"] = aux_loss_of_sums(
+                score_sum, counts, t * sp, self.k, self.aux_coeff
+            )
+            report["load_balancing_loss"] = losses["load_balancing_loss"].detach()
+        if self.z_coeff:
+            z = z_loss(logits, self.z_coeff)
+            losses["z_loss"] = z / sp  # the sequence's mean is the mean of the shards' means
+            report["z_loss"] = M.all_reduce(z.detach().clone(), self.sp_group) / sp
+        return losses, report
 
     def forward(self, x):  # [s, b, h] -> [s, b, h]
         s, b, h = x.shape
@@ -175,31 +238,13 @@ class MoELayer(nn.Module):
         if self.cap_factor is not None:
             cap = math.ceil(self.cap_factor * xt.shape[0] * self.k / self.e)
             keep = capacity_keep(probs, idx, self.e, cap, self.drop_policy)
-        out = torch.zeros_like(xt)
-        for e, expert in enumerate(self.experts):
-            tok, slot = ((idx == e) & keep).nonzero(as_tuple=True)
-            rows = cap if (cap is not None and self.pad) else len(tok)
-            if self.fp8:
-                rows = -(-rows // FP8_ROWS) * FP8_ROWS
-            inp = xt[tok]
-            if len(tok) == 0:  # no tokens: zero rows, so every expert has a (zero) gradient
-                y = expert(xt.new_zeros(FP8_ROWS, h))
-                out = out + 0.0 * y.sum()
-                continue
-            if rows > len(tok):  # zero rows: padding for the capacity or the FP8 alignment
-                inp = torch.cat([inp, inp.new_zeros(rows - len(tok), h)])
-            y = expert(inp)[: len(tok)]  # [n_e, h]
-            w = probs[tok, slot].unsqueeze(-1).to(y.dtype)
-            out = out.index_add(0, tok, y * w)
+        rows, per_expert, st = self.dispatcher.dispatch(xt, probs, idx, keep)
+        y, extra = self._run_experts(rows, per_expert, cap)
+        out = self.dispatcher.combine(y, st, torch.zeros_like(xt)) + extra
         if self.shared is not None:
             out = out + self.shared(xt)
-        losses = {}
-        if self.lb == "aux_loss" and self.aux_coeff:
-            losses["load_balancing_loss"] = aux_loss(full, counts, self.k, self.aux_coeff)
-        if self.z_coeff:
-            losses["z_loss"] = z_loss(logits, self.z_coeff)
-        self.stats = {"tokens_per_expert": counts, "dropped": (~keep).sum(),
-                      **{k: v.detach() for k, v in losses.items()}}  # fmt: skip
+        losses, report = self._losses(logits, full, counts)
+        self.stats = {"tokens_per_expert": counts, "dropped": (~keep).sum(), **report}
         if losses and self.training and torch.is_grad_enabled():
             out = _AuxLossGrad.apply(out, sum(losses.values()), self.aux_scale)
         return out.view(s, b, h)

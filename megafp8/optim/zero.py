@@ -37,6 +37,8 @@ def deepspeed_config(cfg, dp: int) -> dict:
     t, o = cfg.train, cfg.optim
     gbs = global_batch_size(cfg, dp)
     zero = {"stage": o.zero_stage}
+    if o.zero_stage >= 1 and cfg.parallel.expert_model_parallel_size > 1:
+        zero["contiguous_gradients"] = True  # DeepSpeed's MoE groups need it
     if o.zero_stage >= 2:
         zero.update(
             {
@@ -103,8 +105,14 @@ def build_engine(model, cfg, groups):
     count_once_in_grad_norm(model, groups)
     o = cfg.optim
     fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    pgroups = param_groups(model, o.weight_decay, decoupled=o.decoupled_lr is not None)
+    if groups.ep > 1:  # experts reduced and sharded over their own group (optim/experts.py)
+        from megafp8.optim.experts import register_expert_groups, split_expert_groups
+
+        register_expert_groups(model, groups)
+        pgroups = split_expert_groups(pgroups, groups.ep)
     opt = torch.optim.AdamW(
-        param_groups(model, o.weight_decay, decoupled=o.decoupled_lr is not None),
+        pgroups,
         lr=o.lr,
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,

@@ -80,6 +80,7 @@ def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
         "ep": lambda c: (c.tp, c.pp, c.edp),
         "edp": lambda c: (c.tp, c.pp, c.ep),
         "tp_dp": lambda c: (c.pp,),  # FP8 amax reduction: every rank holding a shard or replica
+        "tp_edp": lambda c: (c.pp, c.ep),  # the same, for the experts: their replicas only
         "mp": lambda c: (c.dp,),  # model parallel = tp x pp
     }
     out: dict[str, list[list[int]]] = {}
@@ -106,6 +107,7 @@ class ParallelGroups:
     tp_dp_group: Any
     mp_group: Any
     ranks: dict  # kind -> this rank's group as a rank list
+    tp_edp_group: Any = SOLO  # every replica of this rank's experts (TP x expert-DP)
     kv_heads: int | None = None  # the kv heads the kv-replica groups were built for
     kv_group: Any = SOLO  # the TP ranks sharing this rank's kv head (when tp > kv heads)
     embedding_group: Any = SOLO  # first + last stage of this pipeline (SOLO on middle stages)
@@ -154,6 +156,7 @@ class ParallelGroups:
             edp_group=mine["edp"],
             tp_dp_group=mine["tp_dp"],
             mp_group=mine["mp"],
+            tp_edp_group=mine["tp_edp"],
             ranks=my_ranks,
             kv_heads=kv_heads,
             kv_group=kv_group,
@@ -175,7 +178,7 @@ class ParallelGroups:
             edp_group=SOLO,
             tp_dp_group=SOLO,
             mp_group=SOLO,
-            ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "mp", "emb")},
+            ranks={k: [0] for k in ("tp", "dp", "pp", "ep", "edp", "tp_dp", "tp_edp", "mp", "emb")},
         )
 
     @property
@@ -189,6 +192,10 @@ class ParallelGroups:
     @property
     def pp(self) -> int:
         return self.layout.pp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     def all_tp_groups(self) -> list[list[int]]:
         """Every TP group of the world, in creation order."""

@@ -29,6 +29,7 @@ def test_coords_bijective_and_groups_partition(layout):
         "ep": layout.ep,
         "edp": layout.dp // layout.ep,
         "tp_dp": layout.tp * layout.dp,
+        "tp_edp": layout.tp * layout.dp // layout.ep,
         "mp": layout.tp * layout.pp,
     }
     for kind, groups in group_ranks(layout).items():

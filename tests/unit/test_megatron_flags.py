@@ -122,10 +122,11 @@ def test_llama3_8b_fp8_script():
 def test_mixtral_script():
     cfg, notices = _parse(MIXTRAL_DENSE + MIXTRAL_MOE)  # MoE flags are config fields now
     assert (cfg.model.num_experts, cfg.model.moe_router_topk) == (2, 2)
-    assert "--moe-token-dispatcher-type" in [n.split()[0] for n in notices]
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2: expert parallelism"):
-        validate(cfg, 2)  # expert parallelism is not there yet
-    assert validate(cfg.replace(parallel=dict(expert_model_parallel_size=1)), 1) == 1
+    assert cfg.model.moe_token_dispatcher_type == "alltoall"
+    assert cfg.parallel.expert_model_parallel_size == 2
+    assert validate(cfg, 2) == 2  # experts over the 2 data-parallel ranks
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 must divide"):
+        validate(cfg, 1)
     cfg, notices = _parse(MIXTRAL_DENSE)
     assert cfg.train.load_optim is False and cfg.train.load_rng is False
     assert cfg.model.normalization == "RMSNorm" and cfg.optim.zero_stage == 1

@@ -156,12 +156,12 @@ def test_moe_flags_and_bad_values():
     validate(cfg, 1)
     for argv, says in (
         (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk=5"),
-        (["--num-experts", "4", "--tensor-model-parallel-size", "2"], "not split over TP"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "3"], "not divisible"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs moe_expert_cap"),
         (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], "seq_aux"),
     ):
         with pytest.raises(ValueError, match=says):
-            validate(parse_args(["--mock-data", *argv]), 2 if "tensor" in argv[2] else 1)
+            validate(parse_args(["--mock-data", *argv]), 3 if "expert" in argv[2] else 1)
 
 
 def test_moe_flops_count_active_experts():
