@@ -96,6 +96,11 @@ class ModelConfig:
         "aux_loss", "load balancing", ("aux_loss", "seq_aux_loss", "none")
     )  # fmt: skip
     moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss")
+    moe_router_enable_expert_bias: bool = _f(
+        False, "aux-loss-free balancing: a per-expert bias on the top-k choice, moved each "
+        "iteration towards the mean load"
+    )  # fmt: skip
+    moe_router_bias_update_rate: float = _f(1e-3, "the expert bias's step per iteration")
     moe_z_loss_coeff: float | None = _f(None, "weight of the router z-loss (None: off)")
     moe_expert_capacity_factor: float | None = _f(
         None, "token assignments per expert at most ceil(factor x tokens x k / experts) "

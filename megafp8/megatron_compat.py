@@ -147,12 +147,6 @@ TABLE = [
         "notice",
         "the experts' GEMMs run in a loop over the experts (FP8 where the layer is)",
     ),
-    _f(
-        "moe-router-enable-expert-bias",
-        "switch",
-        "refuse",
-        "the aux-loss-free expert bias is not available yet: use --moe-aux-loss-coeff",
-    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}

@@ -26,7 +26,7 @@ from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
 from megafp8.fp8.recipe import is_expert_key
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
-from megafp8.model.moe import moe_metrics
+from megafp8.model.moe import moe_metrics, update_expert_bias
 from megafp8.optim.experts import expert_files, load_experts
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import StepPolicy, build_engine, set_lr
@@ -164,7 +164,11 @@ def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
     loss is weighted by its token count before the backward (DeepSpeed divides by the
     accumulation steps and averages over DP, which the weight undoes)."""
     set_lr(run.engine, *_lrs(run.cfg, run.iteration))
-    return train_iteration(run, train_iter, hooks)
+    out = train_iteration(run, train_iter, hooks)
+    m = run.cfg.model
+    if m.moe_router_enable_expert_bias:  # aux-loss-free balancing: after the step
+        update_expert_bias(run.model, run.groups.tp_dp_group, m.moe_router_bias_update_rate)
+    return out
 
 
 def evaluate(run: Run, iters: int) -> float | None:

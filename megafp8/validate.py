@@ -207,8 +207,8 @@ def _moe(cfg: Config, e: list[str]) -> None:
         e.append(f"moe_router_topk={m.moe_router_topk} must be in [1, num_experts={m.num_experts}]")
     if m.moe_layer_freq < 1:
         e.append(f"moe_layer_freq={m.moe_layer_freq} must be >= 1")
-    if m.moe_router_load_balancing_type == "seq_aux_loss":
-        e.append("moe_router_load_balancing_type='seq_aux_loss' is not available yet: use aux_loss")
+    if m.moe_router_bias_update_rate < 0:
+        e.append(f"moe_router_bias_update_rate={m.moe_router_bias_update_rate} must be >= 0")
     if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
         e.append(f"moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:

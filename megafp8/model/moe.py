@@ -92,20 +92,26 @@ class Expert(nn.Module):
         return self.fc2(h)
 
 
-def route(logits: torch.Tensor, k: int, score: str, pre_softmax: bool):
-    """logits [T, E] fp32 -> (probs [T, k], experts [T, k], scores over all E [T, E])."""
+def route(logits: torch.Tensor, k: int, score: str, pre_softmax: bool, bias=None):
+    """logits [T, E] fp32 -> (probs [T, k], experts [T, k], scores over all E [T, E]).
+    ``bias`` [E] (the aux-loss-free expert bias) moves only the choice of the k experts: the
+    top-k is taken of (what is ranked + bias), the probabilities are those without it."""
+
+    def topk(x):
+        return (x if bias is None else x + bias).topk(k, dim=-1).indices
+
     if score == "sigmoid":
         full = torch.sigmoid(logits)
-        idx = full.topk(k, dim=-1).indices
+        idx = topk(full)
         probs = full.gather(1, idx)
         if k > 1:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs, idx, full / full.sum(-1, keepdim=True)
     full = torch.softmax(logits, dim=-1)
     if pre_softmax:
-        idx = full.topk(k, dim=-1).indices
+        idx = topk(full)
         return full.gather(1, idx), idx, full
-    idx = logits.topk(k, dim=-1).indices
+    idx = topk(logits)
     return torch.softmax(logits.gather(1, idx), dim=-1), idx, full
 
 
@@ -117,6 +123,19 @@ def aux_loss(scores: torch.Tensor, counts: torch.Tensor, k: int, coeff: float) -
 def aux_loss_of_sums(score_sum, counts, t: int, k: int, coeff: float) -> torch.Tensor:
     """The same from the per-expert score sums [E] and counts [E] over ``t`` tokens."""
     return coeff * score_sum.shape[0] / (t * t * k) * (score_sum * counts.float()).sum()
+
+
+def seq_aux_loss(scores, idx, b: int, k: int, coeff: float, group=SOLO) -> torch.Tensor:
+    """The load-balancing loss of each of the ``b`` sequences (tokens [s, b] flattened
+    sequence-first), averaged over them; under SP each sequence's sums run over ``group``."""
+    e = scores.shape[1]
+    score_sum = scores.view(-1, b, e).sum(0)  # [b, E]
+    counts = F.one_hot(idx.view(-1, b, k), e).sum((0, 2))  # [b, E]
+    if M.world(group) > 1:
+        score_sum = M.reduce_from_tensor_parallel_region(score_sum, group)
+        counts = M.all_reduce(counts.clone(), group)
+    s = scores.shape[0] // b * M.world(group)
+    return coeff * e / (s * s * k) * (score_sum * counts.float()).sum() / b
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
@@ -185,6 +204,11 @@ class MoELayer(nn.Module):
                                  name=f"{name}.shared_expert", **kw)  # fmt: skip
         for p in self.parameters():  # each TP rank saw its own tokens
             allreduce_grad_hook(p, self.sp_group)
+        if m.moe_router_enable_expert_bias:  # saved with the model; the counts are not
+            self.register_buffer("expert_bias", torch.zeros(self.e, device=dev))
+            self.register_buffer("bias_counts", torch.zeros(self.e, device=dev), persistent=False)
+        else:
+            self.expert_bias = self.bias_counts = None
         self.aux_scale = aux_scale  # the lm loss's backward scale: 1 / micro-batches
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -207,7 +231,7 @@ class MoELayer(nn.Module):
             outs.append(expert(inp)[:n])  # [n_e, h]
         return torch.cat(outs), extra
 
-    def _losses(self, logits, full, counts):
+    def _losses(self, logits, full, counts, idx, b):
         """The load-balancing and z losses, over the whole sequence under SP; returns (the
         losses this rank backpropagates, their values to report)."""
         t, sp = logits.shape[0], M.world(self.sp_group)
@@ -221,6 +245,9 @@ class MoELayer(nn.Module):
                 score_sum, counts, t * sp, self.k, self.aux_coeff
             )
             report["load_balancing_loss"] = losses["load_balancing_loss"].detach()
+        if self.lb == "seq_aux_loss" and self.aux_coeff:
+            loss = seq_aux_loss(full, idx, b, self.k, self.aux_coeff, self.sp_group)
+            losses["load_balancing_loss"], report["load_balancing_loss"] = loss, loss.detach()
         if self.z_coeff:
             z = z_loss(logits, self.z_coeff)
             losses["z_loss"] = z / sp  # the sequence's mean is the mean of the shards' means
@@ -231,8 +258,10 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         xt = x.reshape(-1, h)  # [T, h]
         logits = xt.float() @ self.router.float().t()  # [T, E], fp32 (whatever the weights' dtype)
-        probs, idx, full = route(logits, self.k, self.score, self.pre)
+        probs, idx, full = route(logits, self.k, self.score, self.pre, self.expert_bias)
         counts = torch.bincount(idx.reshape(-1), minlength=self.e)  # assignments per expert
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            self.bias_counts += counts.to(self.bias_counts)  # for update_expert_bias
         keep = torch.ones_like(idx, dtype=torch.bool)
         cap = None
         if self.cap_factor is not None:
@@ -243,11 +272,25 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(y, st, torch.zeros_like(xt)) + extra
         if self.shared is not None:
             out = out + self.shared(xt)
-        losses, report = self._losses(logits, full, counts)
+        losses, report = self._losses(logits, full, counts, idx, b)
         self.stats = {"tokens_per_expert": counts, "dropped": (~keep).sum(), **report}
         if losses and self.training and torch.is_grad_enabled():
             out = _AuxLossGrad.apply(out, sum(losses.values()), self.aux_scale)
         return out.view(s, b, h)
+
+
+def update_expert_bias(model, group, rate: float) -> None:
+    """After an iteration: each MoE layer's expert bias moves by ``rate`` towards balance,
+    bias_e += rate x sign(mean load - load_e), the loads counted over the iteration's
+    micro-batches and summed over ``group`` (every rank holding this stage: TP x DP), so
+    every replica moves alike."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    if not layers:
+        return
+    counts = M.all_reduce(torch.stack([m.bias_counts for m in layers]), group)
+    for m, c in zip(layers, counts, strict=True):
+        m.expert_bias += rate * torch.sign(c.mean() - c)
+        m.bias_counts.zero_()
 
 
 def moe_metrics(model) -> dict[str, float]:

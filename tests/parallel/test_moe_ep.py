@@ -170,3 +170,15 @@ def test_torchrun_ep2_prints_the_one_process_losses():
     got = _run(["--expert-model-parallel-size", "2"], 4)
     assert got[0] == pytest.approx(ref[0], rel=1e-6)
     _close(got, ref)
+
+
+def test_seq_aux_loss_and_expert_bias_under_sp_equal_one_process():
+    """Under SP each rank holds a sequence shard: the per-sequence balancing sums run over TP,
+    the expert-bias loads over TP x DP."""
+    moe = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
+               moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2)  # fmt: skip
+    cfg = _cfg(model=moe)
+    ref = run_distributed(_losses, 1, cfg)[0]
+    par = dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    got = run_distributed(_losses, 4, cfg.replace(parallel=par))
+    _close(got[0], ref)

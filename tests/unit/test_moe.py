@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from megafp8.model.moe import MoELayer, aux_loss, capacity_keep, moe_metrics, route, z_loss
+from megafp8.model.moe import (
+    MoELayer,
+    aux_loss,
+    capacity_keep,
+    moe_metrics,
+    route,
+    seq_aux_loss,
+    update_expert_bias,
+    z_loss,
+)
+from megafp8.parallel.mappings import SOLO
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
 
@@ -158,7 +168,7 @@ def test_moe_flags_and_bad_values():
         (["--num-experts", "4", "--moe-router-topk", "5"], "moe_router_topk=5"),
         (["--num-experts", "4", "--expert-model-parallel-size", "3"], "not divisible"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs moe_expert_cap"),
-        (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], "seq_aux"),
+        (["--num-experts", "4", "--moe-router-bias-update-rate", "-1"], "bias_update_rate=-1"),
     ):
         with pytest.raises(ValueError, match=says):
             validate(parse_args(["--mock-data", *argv]), 3 if "expert" in argv[2] else 1)
@@ -217,3 +227,50 @@ def test_bf16_layer_routes_in_fp32():
     layer.register_forward_hook(lambda m, i, o: seen.append(m.stats["z_loss"].dtype))
     out = layer(torch.randn(8, 2, 64).to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and seen == [torch.float32]
+
+
+def test_seq_aux_loss_by_hand():
+    """Per sequence: coeff x E / (S^2 k) x sum_e (its scores' sum) x (its assignments), then the
+    mean over the b sequences; one sequence is the plain aux loss."""
+    g = torch.Generator().manual_seed(3)
+    s, b, e, k, coeff = 5, 3, 4, 2, 0.01
+    logits = torch.randn(s * b, e, generator=g)  # tokens [s, b] flattened sequence-first
+    _, idx, full = route(logits, k, "softmax", False)
+    want = 0.0
+    for j in range(b):
+        rows = [t * b + j for t in range(s)]
+        c = torch.bincount(idx[rows].reshape(-1), minlength=e)
+        want += float(aux_loss(full[rows], c, k, coeff)) / b
+    assert float(seq_aux_loss(full, idx, b, k, coeff)) == pytest.approx(want)
+    one = torch.bincount(idx.reshape(-1), minlength=e)
+    assert float(seq_aux_loss(full, idx, 1, k, coeff)) == pytest.approx(
+        float(aux_loss(full, one, k, coeff))
+    )
+
+
+def test_expert_bias_moves_the_choice_not_the_weights():
+    """The bias changes which experts are chosen, not their probabilities; one update moves
+    it by rate x sign(mean load - load)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0])
+    probs, idx, _ = route(logits, 2, "sigmoid", False, bias)
+    assert sorted(idx[0].tolist()) == [0, 2]
+    sg = torch.sigmoid(logits[0, [0, 2]]) if idx[0, 0] == 0 else torch.sigmoid(logits[0, [2, 0]])
+    assert torch.allclose(probs[0], sg / sg.sum())
+    layer = _layer(_cfg(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"))
+    layer(torch.randn(8, 2, 64)).sum().backward()
+    counts = layer.bias_counts.clone()
+    assert counts.sum() == 8 * 2 * 2
+    update_expert_bias(layer, SOLO, 1e-3)
+    assert torch.equal(layer.expert_bias, 1e-3 * torch.sign(counts.mean() - counts))
+    assert not layer.bias_counts.any() and "expert_bias" in layer.state_dict()
+
+
+def test_expert_bias_and_seq_aux_train_and_dp_equals_one_process():
+    cfg = _cfg(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+               moe_router_bias_update_rate=1e-2,
+               moe_router_load_balancing_type="seq_aux_loss")  # fmt: skip
+    ref = run_distributed(_losses, 1, cfg)[0]
+    assert ref[-1] < ref[0]
+    got = run_distributed(_losses, 2, cfg.replace(parallel=dict(expert_model_parallel_size=2)))
+    assert got[0] == pytest.approx(ref, rel=2e-5)
