@@ -18,7 +18,8 @@ line). Then the ratio ours / peer in tokens/s.
         --extra "--tensor-model-parallel-size 2 --sequence-parallel"   # 8 GPUs, both stacks
 
 Standing set: ``gpt7b`` (8 layers of the GPT 7B shape), ``llama8b-16`` (Llama-3-8B cut to 16
-layers), ``gpt1.3b``; ``llama8b`` is the whole 32-layer Llama-3-8B.
+layers), ``gpt1.3b``, ``mixtral-4`` (Mixtral-8x7B cut to 4 layers: 8 experts, top-2, aux loss,
+seq 4096, vocab 32000); ``llama8b`` is the whole 32-layer Llama-3-8B.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ LLAMA = (
     "--untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 "
     "--micro-batch-size 1 --global-batch-size 8"
 )
+MIXTRAL = (  # Mixtral-8x7B's layer; at 4 layers (6.07 B params) the peer peaked at 121 GB
+    "--hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+    "--num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 "
+    "--position-embedding-type rope --rotary-base 1000000 --normalization RMSNorm --swiglu "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 32000 "
+    "--micro-batch-size 1 --global-batch-size 8 --num-experts 8 --moe-router-topk 2 "
+    "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-token-dispatcher-type alltoall --moe-grouped-gemm"
+)
 SHAPES = {
     "gpt7b": "--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 "
     "--max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 32 "
@@ -56,6 +66,7 @@ SHAPES = {
     "--vocab-size 50304",
     "llama8b-16": "--num-layers 16 " + LLAMA,
     "llama8b": "--num-layers 32 " + LLAMA,
+    "mixtral-4": "--num-layers 4 " + MIXTRAL,
 }
 PRECISION = {
     "bf16": "",
