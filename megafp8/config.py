@@ -113,6 +113,10 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = _f(
         False, "run every expert on exactly its capacity rows (zero padding)"
     )
+    moe_grouped_gemm: bool = _f(
+        False, "the experts as two grouped GEMMs (TE's GroupedLinear; te backend only: elsewhere "
+        "a loop)"
+    )  # fmt: skip
     moe_token_dispatcher_type: str = _f(
         "alltoall", "how tokens reach the experts other ranks hold (expert parallelism)",
         ("alltoall", "allgather"),

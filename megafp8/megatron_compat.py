@@ -141,12 +141,6 @@ TABLE = [
         "refuse",
         "not supported: attention spans the whole sample, across EOD (Megatron's default)",
     ),
-    _f(
-        "moe-grouped-gemm",
-        "switch",
-        "notice",
-        "the experts' GEMMs run in a loop over the experts (FP8 where the layer is)",
-    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}

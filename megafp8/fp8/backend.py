@@ -155,6 +155,15 @@ class Backend:
         """norm(x) w^T in one module, with ``norm_parameters()``; only where ``fuses_norm``."""
         raise NotImplementedError(f"backend {self.name!r} does not fuse norms into GEMMs")
 
+    grouped_gemm = False  # whether ``make_grouped_linear`` exists (--moe-grouped-gemm)
+
+    def make_grouped_linear(
+        self, num, in_features, out_features, bias, *, fp8, dtype, device
+    ) -> nn.Module:
+        """``num`` GEMMs in one call: ``forward(x, m_splits)`` on rows grouped by m_splits, weights
+        ``weights[i]`` [out, in] (and ``biases``); only where ``grouped_gemm``."""
+        raise NotImplementedError(f"backend {self.name!r} has no grouped GEMM")
+
     def make_fused_mlp(self, cfg, *, groups, layer, seed, fp8, dtype, device) -> nn.Module:
         """norm + fc1 + activation + fc2 of one layer's MLP shard; only where ``fuses_mlp``."""
         raise NotImplementedError(f"backend {self.name!r} has no fused MLP")

@@ -13,12 +13,13 @@ import os
 import warnings
 
 import torch
-from torch import nn
 
 from megafp8.fp8.backend import Backend, SdpaAttention, layer_name, rope_angles
 from megafp8.fp8.recipe import Fp8Recipe
+from megafp8.fp8.te_modules import TEFusedMLP, TEGroupedLinear, TELinear, WeightCache
 from megafp8.parallel import mappings as M
-from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, mark_tp, param_seed
+
+__all__ = ["TEBackend", "TEFusedMLP", "TEGroupedLinear", "TELinear", "te_available"]
 
 # Megatron's --attention-backend -> TE's kernel switches ("auto": TE chooses; "local": ours)
 ATTENTION_ENV = {
@@ -39,14 +40,6 @@ def te_available() -> bool:
         return bool(ok[0] if isinstance(ok, tuple) else ok)
     except Exception:  # a broken TE install: fall back to the torch backend
         return False
-
-
-class WeightCache:
-    """Shared by a TE backend's modules: ``first`` is TE's ``is_first_microbatch`` (True: cast
-    the weights to FP8 and keep them; False: reuse the kept cast; None: no cache)."""
-
-    def __init__(self):
-        self.first: bool | None = None
 
 
 class TEBackend(Backend):
@@ -134,6 +127,13 @@ class TEBackend(Backend):
         return self._linear(
             in_features, out_features, bias, fp8, dtype, device, norm, zero_centered_gamma
         )
+
+    grouped_gemm = True
+
+    def make_grouped_linear(self, num, in_features, out_features, bias, *, fp8, dtype, device):
+        return TEGroupedLinear(self.te, num, in_features, out_features, bias,
+                               fp8=fp8 and self.fp8, dtype=dtype, device=device,
+                               cache=self.cache)  # fmt: skip
 
     def make_fused_mlp(self, cfg, *, groups, layer, seed, fp8, dtype, device):
         return TEFusedMLP(
@@ -231,7 +231,8 @@ class TEBackend(Backend):
     def fall_back_to_bf16(self, model, layer):
         n = 0
         for path, mod in model.named_modules():
-            if isinstance(mod, (TELinear, TEFusedMLP)) and mod.fp8 and layer_name(path) == layer:
+            te_mods = (TELinear, TEFusedMLP, TEGroupedLinear)
+            if isinstance(mod, te_mods) and mod.fp8 and layer_name(path) == layer:
                 mod.fp8 = False  # runs under te.autocast(enabled=False) from now on
                 n += 1
         return n
@@ -252,127 +253,3 @@ class TEBackend(Backend):
         # TE takes None for "this process alone" and calls torch.distributed on any other value
         group = self.amax_group if M.world(self.amax_group) > 1 else None
         return self.te.autocast(enabled=True, recipe=self.te_recipe, amax_reduction_group=group)
-
-
-class TELinear(nn.Module):
-    """A te.Linear (or, with ``norm``, a te.LayerNormLinear: the norm and the FP8 cast of its output
-    in one kernel) whose ``weight``/``bias`` are the local shard; outside FP8 for BF16 layers."""
-
-    plain = False
-
-    def __init__(
-        self,
-        te,
-        in_features,
-        out_features,
-        bias,
-        *,
-        fp8,
-        dtype,
-        device,
-        norm=None,
-        zero_centered_gamma=False,
-        cache=None,
-    ):
-        super().__init__()
-        self.fp8, self.te, self.cache = fp8, te, cache or WeightCache()
-        kw = dict(
-            bias=bias, params_dtype=dtype, device=device or "cuda", init_method=lambda w: None
-        )
-        if norm is None:
-            self.inner = te.Linear(in_features, out_features, **kw)
-        else:
-            self.inner = te.LayerNormLinear(
-                in_features,
-                out_features,
-                eps=norm[1],
-                normalization=norm[0],
-                zero_centered_gamma=zero_centered_gamma,
-                **kw,
-            )
-        self.weight = self.inner.weight
-        self.bias = self.inner.bias if bias else None
-
-    def norm_parameters(self) -> list[nn.Parameter]:
-        """The fused norm's weights (empty for a plain linear)."""
-        names = ("layer_norm_weight", "layer_norm_bias")
-        return [p for n in names if isinstance(p := getattr(self.inner, n, None), nn.Parameter)]
-
-    def forward(self, x):  # [..., in] -> [..., out]
-        if self.fp8:
-            return self.inner(x, is_first_microbatch=self.cache.first)
-        with self.te.autocast(enabled=False):
-            return self.inner(x)
-
-
-class TEFusedMLP(nn.Module):
-    """SP off: norm + fc1 + activation + fc2 in one te.LayerNormMLP (the activation's output is
-    cast to FP8 inside its kernel). Holds the same shards as ``model.mlp.MLP`` (fc1 rows, fc2
-    columns of this rank), initialized from the same seeds; fc2's bias is added after the TP
-    reduction. Forward: copy into the TP region, fused MLP, all-reduce, + bias."""
-
-    def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device):
-        super().__init__()
-        m, tg = cfg.model, groups.tp_group
-        tp, r = M.world(tg), M.rank_in(tg)
-        n = m.ffn // tp
-        self.tp_group, self.fp8, self.te = tg, fp8 and backend.fp8, backend.te
-        self.cache = backend.cache
-        self.inner = backend.te.LayerNormMLP(
-            m.hidden_size,
-            n,
-            eps=m.norm_epsilon,
-            bias=m.add_bias_linear,
-            normalization=m.normalization,
-            zero_centered_gamma=m.apply_layernorm_1p,
-            activation="swiglu" if m.swiglu else "gelu",
-            return_bias=True,
-            params_dtype=dtype,
-            device=device or "cuda",
-            init_method=lambda w: None,
-            output_layer_init_method=lambda w: None,
-        )
-        name = f"layers.{layer}.mlp"
-        rows = torch.arange(r * n, (r + 1) * n)
-        if m.swiglu:  # [gate; up]: this rank's chunk of both
-            rows = torch.cat([rows, m.ffn + rows])
-        cols = torch.arange(r * n, (r + 1) * n)
-        inn, dev = self.inner, self.inner.fc1_weight.device
-        out1 = 2 * m.ffn if m.swiglu else m.ffn
-        std2 = m.init_method_std / (2.0 * m.num_layers) ** 0.5
-        with torch.no_grad():
-            w1 = full_normal(
-                (out1, m.hidden_size),
-                m.init_method_std,
-                param_seed(seed, f"{name}.fc1"),
-                dev,
-                dtype,
-            )  # [ffn (x2), h]
-            inn.fc1_weight.copy_(w1[rows.to(dev)])
-            w2 = full_normal(
-                (m.hidden_size, m.ffn), std2, param_seed(seed, f"{name}.fc2"), dev, dtype
-            )  # [h, ffn]
-            inn.fc2_weight.copy_(w2[:, cols.to(dev)])
-            for b in (getattr(inn, "fc1_bias", None), getattr(inn, "fc2_bias", None)):
-                if isinstance(b, nn.Parameter):
-                    b.zero_()
-        mark_tp(inn.fc1_weight, 0, f"{name}.fc1.linear.weight", rows)
-        mark_tp(inn.fc2_weight, 1, f"{name}.fc2.linear.weight", cols)
-        if isinstance(getattr(inn, "fc1_bias", None), nn.Parameter):
-            mark_tp(inn.fc1_bias, 0, f"{name}.fc1.linear.bias", rows)
-        if isinstance(getattr(inn, "fc2_bias", None), nn.Parameter):
-            mark_full(inn.fc2_bias, f"{name}.fc2.bias")
-        for pname in ("layer_norm_weight", "layer_norm_bias"):
-            p = getattr(inn, pname, None)
-            if isinstance(p, nn.Parameter):  # sees only this rank's share of its output grad
-                allreduce_grad_hook(p, tg)
-
-    def forward(self, x):  # x: [s, b, h] -> [s, b, h]
-        x = M.copy_to_tensor_parallel_region(x, self.tp_group)
-        if self.fp8:
-            y, bias = self.inner(x, is_first_microbatch=self.cache.first)
-        else:
-            with self.te.autocast(enabled=False):
-                y, bias = self.inner(x)
-        y = M.reduce_from_tensor_parallel_region(y, self.tp_group)
-        return y if bias is None or bias.numel() == 0 else y + bias

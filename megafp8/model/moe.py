@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8.model.moe_experts import FP8_ROWS, Expert, GroupedExperts, run_experts
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, param_seed
-from megafp8.parallel.mappings import SOLO
 
-FP8_ROWS = 16
+__all__ = ["FP8_ROWS", "Expert", "MoELayer", "moe_metrics", "route", "update_expert_bias"]
+from megafp8.parallel.mappings import SOLO
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -52,44 +53,6 @@ class _AuxLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, torch.full(ctx.aux_shape, ctx.scale, device=g.device, dtype=torch.float32), None
-
-
-def _linear(backend, n_in, n_out, *, name, std, seed, bias, fp8, dtype, device):
-    lin = backend.make_linear(n_in, n_out, bias, name=name, group=SOLO, fp8=fp8, dtype=dtype,
-                              device=device)  # fmt: skip
-    with torch.no_grad():
-        dev = lin.weight.device
-        lin.weight.copy_(full_normal((n_out, n_in), std, param_seed(seed, name), dev, dtype))
-        if lin.bias is not None:
-            lin.bias.zero_()
-    mark_full(lin.weight, f"{name}.weight")
-    if lin.bias is not None:
-        mark_full(lin.bias, f"{name}.bias")
-    return lin
-
-
-class Expert(nn.Module):
-    """fc2(act(fc1(x))) on [n, h] rows; SwiGLU: fc1 = [gate; up]."""
-
-    def __init__(self, cfg, ffn: int, *, backend, name, seed, fp8, dtype, device):
-        super().__init__()
-        m = cfg.model
-        self.swiglu = m.swiglu
-        kw = dict(seed=seed, bias=m.add_bias_linear, fp8=fp8, dtype=dtype, device=device)
-        out1 = 2 * ffn if m.swiglu else ffn
-        std2 = m.init_method_std / (2.0 * m.num_layers) ** 0.5
-        self.fc1 = _linear(backend, m.hidden_size, out1, name=f"{name}.fc1",
-                           std=m.init_method_std, **kw)  # fmt: skip
-        self.fc2 = _linear(backend, ffn, m.hidden_size, name=f"{name}.fc2", std=std2, **kw)
-
-    def forward(self, x):  # [n, h] -> [n, h]
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
 
 
 def route(logits: torch.Tensor, k: int, score: str, pre_softmax: bool, bias=None):
@@ -193,9 +156,11 @@ class MoELayer(nn.Module):
                         param_seed(seed, f"{name}.router"), dev, torch.float32)  # fmt: skip
         self.router = mark_full(nn.Parameter(w), f"{name}.router.weight")  # the GEMM runs in fp32
         kw = dict(backend=backend, seed=seed, fp8=fp8, dtype=dtype, device=device)
-        self.experts = nn.ModuleList(  # local index i is global expert first + i
-            Expert(cfg, m.moe_ffn, name=f"{name}.experts.{first + i}", **kw) for i in range(local)
-        )
+        names = [f"{name}.experts.{first + i}" for i in range(local)]  # local i: global first + i
+        if m.moe_grouped_gemm and backend.grouped_gemm:  # two grouped GEMMs (TE's GroupedLinear)
+            self.experts = GroupedExperts(cfg, m.moe_ffn, names=names, **kw)
+        else:  # a loop of the backend's GEMMs, one pair per expert
+            self.experts = nn.ModuleList(Expert(cfg, m.moe_ffn, name=n, **kw) for n in names)
         for p in self.experts.parameters():
             p.expert = True  # reduced over the expert-data-parallel group (optim/zero.py)
         self.shared = None
@@ -213,23 +178,16 @@ class MoELayer(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
 
     def _run_experts(self, rows, counts, cap):
-        """The local experts on their rows (grouped by expert), zero-padded as FP8 needs."""
-        h, outs, extra, start = rows.shape[-1], [], 0.0, 0
-        for expert, n in zip(self.experts, counts, strict=True):
-            inp = rows[start : start + n]
-            start += n
+        """The local experts on their rows (grouped by expert), each zero-padded to its capacity
+        (``moe_pad_expert_input_to_capacity``) and, under FP8, to a multiple of 16 rows."""
+        wants = []
+        for n in counts:
             want = cap * self.ep if (cap is not None and self.pad) else n
             if self.fp8:
                 want = -(-want // FP8_ROWS) * FP8_ROWS
-            if n == 0:  # no tokens: zero rows, so every expert has a (zero) gradient
-                y = expert(rows.new_zeros(max(want, FP8_ROWS), h))
-                extra = extra + 0.0 * y.sum()
-                outs.append(y[:0])
-                continue
-            if want > n:  # zero rows: padding for the capacity or the FP8 alignment
-                inp = torch.cat([inp, inp.new_zeros(want - n, h)])
-            outs.append(expert(inp)[:n])  # [n_e, h]
-        return torch.cat(outs), extra
+            # an expert without tokens runs on zero rows: its weights get a (zero) gradient
+            wants.append(want if n else max(want, FP8_ROWS if self.fp8 else 1))
+        return run_experts(self.experts, rows, counts, wants)
 
     def _losses(self, logits, full, counts, idx, b):
         """The load-balancing and z losses, over the whole sequence under SP; returns (the
@@ -268,8 +226,8 @@ class MoELayer(nn.Module):
             cap = math.ceil(self.cap_factor * xt.shape[0] * self.k / self.e)
             keep = capacity_keep(probs, idx, self.e, cap, self.drop_policy)
         rows, per_expert, st = self.dispatcher.dispatch(xt, probs, idx, keep)
-        y, extra = self._run_experts(rows, per_expert, cap)
-        out = self.dispatcher.combine(y, st, torch.zeros_like(xt)) + extra
+        y = self._run_experts(rows, per_expert, cap)
+        out = self.dispatcher.combine(y, st, torch.zeros_like(xt))
         if self.shared is not None:
             out = out + self.shared(xt)
         losses, report = self._losses(logits, full, counts, idx, b)

@@ -265,11 +265,11 @@ def test_fp8_stats_on_gpu(backend):
 
 
 @cuda
-@pytest.mark.parametrize("backend", ["te", "torch"])
-def test_moe_trains_in_fp8_on_gpu(backend):
-    """A tiny MoE GPT (4 experts, top-2, aux and z losses) trains in FP8 on both backends: the
-    experts' GEMMs take their token rows padded to 16, the router's GEMM runs in fp32 from the
-    bf16 weights DeepSpeed holds."""
+@pytest.mark.parametrize("backend, grouped", [("te", False), ("te", True), ("torch", False)])
+def test_moe_trains_in_fp8_on_gpu(backend, grouped):
+    """A tiny MoE GPT (4 experts, top-2, aux and z losses) trains in FP8 on both backends (on te
+    also with TE's grouped GEMM): the experts' GEMMs take their token rows padded to 16, the
+    router's GEMM runs in fp32 from the bf16 weights DeepSpeed holds."""
     if backend == "te":
         _te()
     os.environ.setdefault("MASTER_PORT", "29535")
@@ -279,7 +279,7 @@ def test_moe_trains_in_fp8_on_gpu(backend):
     cfg = Config().replace(
         model=dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128,
                    vocab_size=512, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                   moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+                   moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_grouped_gemm=grouped),
         fp8=dict(fp8_format="hybrid", fp8_backend=backend, fp8_amax_history_len=16),
         train=dict(micro_batch_size=8, global_batch_size=16, train_iters=20, bf16=True),
         optim=dict(lr=3e-3, min_lr=3e-4, lr_warmup_iters=3),
@@ -288,6 +288,38 @@ def test_moe_trains_in_fp8_on_gpu(backend):
     )  # fmt: skip
     groups, device = init_distributed(cfg)
     run = build_run(cfg, groups, device)
+    layer = run.model.layers["0"].mlp
+    assert type(layer.experts).__name__ == ("GroupedExperts" if grouped else "ModuleList")
     losses = [r["lm loss"] for r in train(cfg, run)]
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3
+
+
+@cuda
+def test_te_grouped_experts_equal_the_loop_in_bf16():
+    """TE's GroupedLinear holds the loop's weights and gives its outputs and gradients (BF16:
+    up to the GEMM kernels' rounding)."""
+    _te()
+    import torch
+
+    from megafp8.config import Config
+    from megafp8.fp8.backend import build_backend
+    from megafp8.model.moe import MoELayer
+    from megafp8.parallel.mappings import SOLO
+
+    cfg = Config().replace(model=dict(num_layers=2, hidden_size=128, num_attention_heads=4,
+                                      seq_length=64, vocab_size=512, num_experts=4,
+                                      moe_router_topk=2, moe_ffn_hidden_size=64, swiglu=True),
+                           fp8=dict(fp8_backend="te"))  # fmt: skip
+    be = build_backend(cfg.fp8, amax_group=SOLO, tp_group=SOLO)
+    kw = dict(backend=be, layer=0, seed=5, fp8=False, dtype=torch.bfloat16, device="cuda")
+    loop = MoELayer(cfg, **kw)
+    grouped = MoELayer(cfg.replace(model=dict(moe_grouped_gemm=True)), **kw)
+    x = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    ya, yb = loop(x), grouped(x)
+    torch.testing.assert_close(yb, ya, rtol=2e-2, atol=2e-3)
+    ya.float().square().sum().backward()
+    yb.float().square().sum().backward()
+    for i, e in enumerate(loop.experts):
+        torch.testing.assert_close(grouped.experts.fc1.weights[i].grad, e.fc1.weight.grad,
+                                   rtol=3e-2, atol=3e-3)  # fmt: skip
