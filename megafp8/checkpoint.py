@@ -94,9 +94,12 @@ def save(
         torch.save(obj, os.path.join(tmp_root, tag, name))
     _barrier()
     if rank0:
+        files = file_sizes(os.path.join(tmp_root, tag))  # what --load checks for truncation
         with open(os.path.join(tmp_root, tag, "megafp8.json"), "w") as f:
             json.dump(
-                {"format_version": FORMAT_VERSION, "iteration": iteration, **meta}, f, indent=1
+                {"format_version": FORMAT_VERSION, "iteration": iteration, **meta, "files": files},
+                f,
+                indent=1,
             )
         _fsync_tree(tmp_root)
         old = os.path.join(save_dir, f".old-{tag}")
@@ -112,6 +115,33 @@ def save(
         apply_retention(save_dir, most_recent_k, retain_interval)
     _barrier()
     return final
+
+
+def file_sizes(root: str) -> dict[str, int]:
+    """Every file under ``root`` (relative path -> bytes)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, root)] = os.path.getsize(p)
+    return out
+
+
+def check_files(path: str, record: dict) -> None:
+    """Every file the record of the checkpoint at ``path`` lists is there, at its size: a
+    truncated or missing shard is one line naming it, before anything reads it."""
+    want = record.get("files")
+    if not want:  # a record from before the list
+        return
+    have = file_sizes(path)
+    for name, size in sorted(want.items()):
+        if name not in have:
+            raise ValueError(f"{os.path.join(path, name)} is missing from the checkpoint")
+        if have[name] != size:
+            raise ValueError(
+                f"{os.path.join(path, name)} has {have[name]} bytes, the checkpoint wrote {size}: "
+                "truncated or overwritten"
+            )
 
 
 def _fsync_dir(d: str) -> None:
@@ -207,7 +237,8 @@ def check_compatible(load_dir: str, cfg) -> None:
     path = os.path.join(load_dir, tag, "megafp8.json")
     try:
         with open(path) as f:
-            saved = json.load(f)["config"]
+            record = json.load(f)
+        saved = record["config"]
         pairs = [(sec, name, saved[sec].get(name), getattr(getattr(cfg, sec), name))
                  for sec, name in SHAPE if name in saved.get(sec, {})]  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -222,6 +253,7 @@ def check_compatible(load_dir: str, cfg) -> None:
             f"{path} was written with {had}; this run has {has}: load it with the same shape "
             "and layout (megafp8-hf export / import moves weights to another layout)"
         )
+    check_files(os.path.join(load_dir, tag), record)
 
 
 def load(
@@ -239,6 +271,7 @@ def load(
             f"{load_dir}/{tag}: checkpoint format {meta.get('format_version')} "
             f"is not {FORMAT_VERSION}"
         )
+    check_files(os.path.join(load_dir, tag), meta)
     path, client = engine.load_checkpoint(
         load_dir,
         tag=tag,

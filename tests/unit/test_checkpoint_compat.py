@@ -52,3 +52,24 @@ def test_same_shape_passes_the_check(tmp_path):
     cfg = parse_args(FLAGS)
     d = _fake_checkpoint(tmp_path, cfg.to_dict())
     check_compatible(d, cfg)  # no error
+
+
+def test_truncated_or_missing_shard_is_one_line(tmp_path, capsys):
+    """The record lists every file of the checkpoint with its size: a shard cut short (a full
+    disk, a copy interrupted) or gone is named before anything reads it."""
+    ck = str(tmp_path / "ck")
+    assert main([*FLAGS, "--save", ck, "--save-interval", "4", "--zero-stage", "1"]) == 0
+    tag = os.path.join(ck, "iter_0000004")
+    with open(os.path.join(tag, "megafp8.json")) as f:
+        files = json.load(f)["files"]
+    shard = next(n for n in files if n.endswith("optim_states.pt"))
+    with open(os.path.join(tag, shard), "r+b") as f:
+        f.truncate(files[shard] // 2)
+    capsys.readouterr()
+    assert main([*FLAGS, "--load", ck, "--train-iters", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and shard in err and "truncated" in err, err
+    os.remove(os.path.join(tag, shard))
+    assert main([*FLAGS, "--load", ck, "--train-iters", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is missing" in err, err
