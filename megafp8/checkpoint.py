@@ -227,6 +227,9 @@ SHAPE = [("model", f) for f in (
 )]  # fmt: skip
 
 
+LAYOUT = {f for sec, f in SHAPE if sec == "parallel"}
+
+
 def check_compatible(load_dir: str, cfg) -> None:
     """Before any process group: the checkpoint ``latest`` names in ``load_dir`` (if any) was
     written by a model of this run's shape in this layout. Raises ValueError, one line naming the
@@ -246,12 +249,15 @@ def check_compatible(load_dir: str, cfg) -> None:
     # a value this run leaves to be derived (None: the tokenizer's vocab, 4h, all heads) is not
     # compared; the layout and every value given must match
     diff = [(n, a, b) for _, n, a, b in pairs if b is not None and a != b]
+    if saved.get("train", {}).get("ckpt_format") == "torch_dist":  # any layout loads it
+        diff = [d for d in diff if d[0] not in LAYOUT or d[0] == "expert_model_parallel_size"]
     if diff:
         had = ", ".join(f"{n}={a!r}" for n, a, _ in diff)
         has = ", ".join(f"{n}={b!r}" for n, _, b in diff)
         raise ValueError(
             f"{path} was written with {had}; this run has {has}: load it with the same shape "
-            "and layout (megafp8-hf export / import moves weights to another layout)"
+            "and layout (a checkpoint saved with --ckpt-format torch_dist loads into any layout; "
+            "megafp8-hf export / import moves weights)"
         )
     check_files(os.path.join(load_dir, tag), record)
 

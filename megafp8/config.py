@@ -275,6 +275,11 @@ class TrainConfig:
     bf16: bool = _f(False, "bf16 parameters and activations (fp32 otherwise)")
     save: str | None = _f(None, "checkpoint directory")
     load: str | None = _f(None, "resume from this checkpoint directory's latest")
+    ckpt_format: str = _f(
+        "torch", "torch: DeepSpeed's shards, loaded by the same layout; torch_dist: also each "
+        "position's tensors by their one-process names, so --load may change TP, PP, DP, ZeRO",
+        ("torch", "torch_dist"),
+    )  # fmt: skip
     save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
     most_recent_k: int | None = _f(None, "keep only the k newest checkpoints (None: keep all)")
     save_retain_interval: int | None = _f(

@@ -97,12 +97,6 @@ TABLE = [
     ),
     _f("no-mmap-bin-files", "switch", "notice", ".bin files are always memory-mapped"),
     _f("tiktoken-pattern", str, "notice", "only for TikTokenizer, which is not supported"),
-    _f(
-        "ckpt-format",
-        str,
-        "notice",
-        "checkpoints are DeepSpeed's shards plus our state (README: Checkpoints)",
-    ),
     _f("wandb-project", str, "notice", "use --tensorboard-dir"),
     _f("wandb-exp-name", str, "notice", "use --tensorboard-dir"),
     _f("log-num-zeros-in-grad", "switch", "notice", "not computed"),

@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megafp8 import checkpoint, metrics, train_log
+from megafp8 import checkpoint, metrics, reshard, train_log
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config, data_parallel_size, global_batch_size
 from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
@@ -198,11 +198,15 @@ def save(run: Run) -> None:
         "bad_steps": run.policy.state_dict() if run.policy else {},
         "fp8_fallback": run.fp8_guard.state_dict() if run.fp8_guard else {},
     }
-    meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict()}
+    meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict(),
+            "world_size": run.groups.layout.world_size}  # fmt: skip
     t = run.cfg.train
+    files = expert_files(run.groups, run.model, run.backend)
+    if t.ckpt_format == "torch_dist":  # also layout-free (reshard.py); a collective
+        files.update(reshard.files(run))
     checkpoint.save(
         run.engine, t.save, run.iteration, client, meta, t.most_recent_k, t.save_retain_interval,
-        rank_files=expert_files(run.groups, run.model, run.backend),
+        rank_files=files,
     )  # fmt: skip
 
 
@@ -210,7 +214,12 @@ def resume(run: Run) -> bool:
     from megafp8.data.loader import build_data_iterators
 
     t = run.cfg.train
-    got = checkpoint.load(run.engine, t.load, load_optimizer_states=t.load_optim)
+    moved = reshard.layout_changed(run, t.load)
+    got = (
+        reshard.load_moved(run, *moved)
+        if moved
+        else checkpoint.load(run.engine, t.load, load_optimizer_states=t.load_optim)
+    )
     if got is None:
         log.info("no checkpoint in %s: starting from scratch", run.cfg.train.load)
         return False
@@ -226,7 +235,7 @@ def resume(run: Run) -> bool:
         run.policy.load_state_dict(client.get("bad_steps", {}))
     if run.fp8_guard is not None:
         run.fp8_guard.load_state_dict(client.get("fp8_fallback", {}))
-    if t.load_rng:  # --no-load-rng: the streams seeded by this run's --seed stay
+    if t.load_rng and "rng" in client:  # --no-load-rng: the streams of this run's --seed
         run.rng.load_state_dict(client["rng"])
     run.data = build_data_iterators(
         run.cfg,
