@@ -124,3 +124,46 @@ def test_a_torch_checkpoint_in_another_layout_is_one_line(tmp_path, capsys):
     check_compatible(dist_ck, moved)  # any layout loads it
     with pytest.raises(ValueError, match="num_layers"):  # but not another model
         check_compatible(dist_ck, parse_args([*flags[:1], "--num-layers", "4", *flags[3:]]))
+
+
+def test_a_torch_checkpoint_converts_with_the_tool(tmp_path):
+    """data_tools/convert_checkpoint.py: a --ckpt-format torch checkpoint (its own layout loads
+    it, in CPU processes the tool starts) becomes torch_dist; another layout then continues."""
+    import subprocess
+    import sys
+
+    ck = str(tmp_path / "ck")
+    src = _layout(2, 1, 2)
+    full = run_distributed(_losses, 4, _cfg(src))[0]
+    run_distributed(_losses, 4, _cfg(src, train_iters=SAVED, save=ck, save_interval=SAVED))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tool = os.path.join(root, "data_tools", "convert_checkpoint.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, tool, "--load", ck], capture_output=True, text=True,
+                       env=env, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "torch_dist" in p.stdout
+    got = run_distributed(_losses, 4, _cfg(_layout(1, 1, 1), load=ck))[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(full[SAVED:]), rtol=1e-6, atol=0.0)
+
+
+def test_fp8_scaling_state_survives_resharding(tmp_path):
+    """Delayed scaling: every amax history and scale after the load at (1, 2, 2, 1) is the one
+    saved at (2, 1, 2, 2) (TP ranks hold the same, reduced, values; each stage its layers')."""
+    from megafp8.reshard import _assemble
+
+    ck = str(tmp_path / "ck")
+    fp8 = dict(fp8_format="hybrid", fp8_amax_history_len=4)
+    src = _cfg(_layout(2, 1, 2), train_iters=SAVED, save=ck, save_interval=SAVED,
+               ckpt_format="torch_dist").replace(fp8=fp8)  # fmt: skip
+    run_distributed(_losses, 4, src)
+    _, _, saved = _assemble(sorted(glob.glob(os.path.join(ck, "iter_0000003", "dist_*.pt"))))
+    assert saved["fp8"]
+    target = _cfg(_layout(1, 2, 1), load=ck).replace(fp8=fp8)
+    seen = set()
+    for st in run_distributed(_state_after_load, 4, target):
+        for key, meta in (st or {}).get("fp8", {}).items():
+            for k, v in meta.items():
+                assert torch.equal(v, saved["fp8"][key][k]), (key, k)
+            seen.add(key)
+    assert seen == set(saved["fp8"])
