@@ -250,7 +250,7 @@ def check_compatible(load_dir: str, cfg) -> None:
     # compared; the layout and every value given must match
     diff = [(n, a, b) for _, n, a, b in pairs if b is not None and a != b]
     if saved.get("train", {}).get("ckpt_format") == "torch_dist":  # any layout loads it
-        diff = [d for d in diff if d[0] not in LAYOUT or d[0] == "expert_model_parallel_size"]
+        diff = [d for d in diff if d[0] not in LAYOUT]
     if diff:
         had = ", ".join(f"{n}={a!r}" for n, a, _ in diff)
         has = ", ".join(f"{n}={b!r}" for n, _, b in diff)

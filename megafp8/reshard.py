@@ -88,7 +88,7 @@ def local_state(run) -> dict | None:
         # a name may come twice (q rows and replicated k/v rows of one fused QKV when tp
         # exceeds the kv heads): each part with its own rows
         params.setdefault(name, []).append({**got, "dim": dim, "index": index})
-    if run.groups.coords.dp != 0:
+    if run.groups.coords.edp != 0:  # one replica of each position (and EP rank) writes
         return None
     return {
         "params": params,
@@ -105,7 +105,10 @@ def files(run) -> dict:
     if got is None:
         return {}
     g = run.groups
-    return {FILE.format(g.coords.tp + g.tp * g.coords.pp): got}
+    mp = g.coords.tp + g.tp * g.coords.pp
+    if g.ep > 1:  # each EP rank holds other experts
+        return {f"dist_ep_{g.coords.ep:02d}_mp_rank_{mp:02d}.pt": got}
+    return {FILE.format(mp): got}
 
 
 def _assemble(paths: list[str]) -> tuple[dict, float, dict]:
@@ -179,7 +182,7 @@ def load(run, tag_dir: str) -> None:
     the torch_dist files of the checkpoint in ``tag_dir`` (written by any layout)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    paths = sorted(glob.glob(os.path.join(tag_dir, FILE.replace("{:02d}", "*"))))
+    paths = sorted(glob.glob(os.path.join(tag_dir, "dist_*.pt")))
     if not paths:
         raise ValueError(f"{tag_dir} holds no {FILE.format(0)}: it was not saved with torch_dist")
     full, step, client = _assemble(paths)
@@ -226,7 +229,7 @@ def load(run, tag_dir: str) -> None:
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers")  # fmt: skip
+                 "decoder_last_pipeline_num_layers", "expert_model_parallel_size")  # fmt: skip
 
 
 def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:

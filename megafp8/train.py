@@ -225,10 +225,11 @@ def resume(run: Run) -> bool:
         return False
     client, meta = got
     run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
-    if run.groups.ep > 1:  # the client state holds EP rank 0's experts: they come from their file
+    experts = run.groups.ep > 1 and not moved  # EP rank 0's experts are in the client state
+    if experts:  # so theirs come from their own files
         client["fp8"] = {k: v for k, v in client["fp8"].items() if not is_expert_key(k)}
     run.backend.load_state_dict(client["fp8"])
-    if run.groups.ep > 1:
+    if experts:
         tag_dir = os.path.join(t.load, checkpoint.tag_for(run.iteration))
         load_experts(tag_dir, run.groups, run.model, run.backend, run.engine, t.load_optim)
     if run.policy is not None:

@@ -84,11 +84,6 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
         )
     if p.sequence_parallel and tp == 1:
         e.append("sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1)")
-    if cfg.train.ckpt_format == "torch_dist" and ep > 1:
-        e.append(
-            f"ckpt_format='torch_dist' with expert_model_parallel_size={ep}: layout-free "
-            "checkpoints are not available for expert parallelism yet (use --ckpt-format torch)"
-        )
     if ep > 1 and not cfg.model.num_experts:
         e.append(f"expert_model_parallel_size={ep} needs --num-experts (an MoE model)")
     vpp = p.virtual_pipeline_model_parallel_size

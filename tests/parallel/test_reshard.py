@@ -167,3 +167,27 @@ def test_fp8_scaling_state_survives_resharding(tmp_path):
                 assert torch.equal(v, saved["fp8"][key][k]), (key, k)
             seen.add(key)
     assert seen == set(saved["fp8"])
+
+
+def test_expert_parallel_checkpoints_move_between_ep_sizes(tmp_path):
+    """MoE: saved at EP 2 x DP 4 (each EP rank writes its experts), loaded at EP 4 and at EP 1 x
+    TP 2: the uninterrupted losses."""
+    moe = dict(num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+               moe_aux_loss_coeff=1e-2, num_query_groups=2)  # fmt: skip
+
+    def cfg(ep, tp=1, **train):
+        return tiny_config(model=moe).replace(
+            parallel=dict(expert_model_parallel_size=ep, tensor_model_parallel_size=tp),
+            optim=dict(lr_decay_iters=ITERS), train={"train_iters": ITERS, **train},
+        )  # fmt: skip
+
+    ck = str(tmp_path / "ck")
+    full = run_distributed(_losses, 4, cfg(2))[0]
+    run_distributed(_losses, 4, cfg(2, train_iters=SAVED, save=ck, save_interval=SAVED,
+                                     ckpt_format="torch_dist"))  # fmt: skip
+    names = os.listdir(os.path.join(ck, "iter_0000003"))
+    assert {"dist_ep_00_mp_rank_00.pt", "dist_ep_01_mp_rank_00.pt"} <= set(names), names
+    for ep, tp in ((4, 1), (1, 2)):
+        got = run_distributed(_losses, 4, cfg(ep, tp, load=ck))[0]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(full[SAVED:]), rtol=1e-6,
+                                   atol=0.0)  # fmt: skip
