@@ -256,8 +256,8 @@ def check_compatible(load_dir: str, cfg) -> None:
         has = ", ".join(f"{n}={b!r}" for n, _, b in diff)
         raise ValueError(
             f"{path} was written with {had}; this run has {has}: load it with the same shape "
-            "and layout (a checkpoint saved with --ckpt-format torch_dist loads into any layout; "
-            "megafp8-hf export / import moves weights)"
+            "and layout (one saved with --ckpt-format torch_dist loads into any layout: "
+            "data_tools/convert_checkpoint.py converts this one)"
         )
     check_files(os.path.join(load_dir, tag), record)
 
