@@ -36,9 +36,9 @@ from torch import nn
 from megafp8.model.moe_experts import FP8_ROWS, Expert, GroupedExperts, run_experts
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full, param_seed
+from megafp8.parallel.mappings import SOLO
 
 __all__ = ["FP8_ROWS", "Expert", "MoELayer", "moe_metrics", "route", "update_expert_bias"]
-from megafp8.parallel.mappings import SOLO
 
 
 class _AuxLossGrad(torch.autograd.Function):
