@@ -54,7 +54,9 @@ class Cluster:
         self.root, self.nodes, self.cpus = root, nodes, cpus
         self.procs: list[subprocess.Popen] = []
         self.conf = os.path.join(root, "slurm.conf")
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("SLURM_") and k not in launcher}  # fmt: skip
         self.env["SLURM_CONF"] = self.conf
 
     # ---- start / stop --------------------------------------------------------------------------
