@@ -224,10 +224,10 @@ SHAPE = [("model", f) for f in (
     "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-)]  # fmt: skip
+)] + [("optim", "optimizer_group_max_numel")]  # fmt: skip
 
 
-LAYOUT = {f for sec, f in SHAPE if sec == "parallel"}
+LAYOUT = {f for sec, f in SHAPE if sec in ("parallel", "optim")}
 
 
 def check_compatible(load_dir: str, cfg) -> None:
@@ -242,6 +242,7 @@ def check_compatible(load_dir: str, cfg) -> None:
         with open(path) as f:
             record = json.load(f)
         saved = record["config"]
+        saved.setdefault("optim", {}).setdefault("optimizer_group_max_numel", 0)  # older: unbounded
         pairs = [(sec, name, saved[sec].get(name), getattr(getattr(cfg, sec), name))
                  for sec, name in SHAPE if name in saved.get(sec, {})]  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -193,7 +193,7 @@ class Fp8Config:
         ("auto", "scaled_mm", "emulated"),
     )  # fmt: skip
     te_fused_norm: bool = _f(True, "te backend: norms fused into the next GEMM (not under SP)")
-    te_fused_mlp: bool = _f(False, "te backend, fused norm: each MLP as one te.LayerNormMLP")
+    te_fused_mlp: bool = _f(True, "te backend, fused norm: each MLP as one te.LayerNormMLP")
     te_weight_cache: bool = _f(True, "te backend: weights cast to FP8 once per iteration")
     first_last_layers_bf16: bool = _f(False, "keep the first and last blocks out of FP8")
     num_layers_at_start_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the start")
@@ -239,6 +239,11 @@ class OptimConfig:
     overlap_grad_reduce: bool = _f(False, "ZeRO: overlap the gradient reduction with backward")
     grad_reduce_in_bf16: bool = _f(False, "ZeRO: reduce gradients in bf16 (with --bf16)")
     zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
+    optimizer_group_max_numel: int = _f(
+        100_000_000,
+        "parameter elements per optimizer group at most (ZeRO 1/2 make one transient fp32 "
+        "gradient copy per group at the step; a larger tensor is a group of its own; 0: no bound)",
+    )
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,8 @@ LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 
 def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:
     """(the checkpoint's directory, its record) when ``latest`` in ``load_dir`` was saved with
-    torch_dist by another layout (TP, PP, stages, world size or ZeRO stage); else None."""
+    torch_dist by another layout (TP, PP, stages, world size, ZeRO stage or optimizer groups);
+    else None."""
     import json
 
     from megafp8.checkpoint import latest_tag
@@ -250,8 +251,10 @@ def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:
     cfg = run.cfg
     now = {f: getattr(cfg.parallel, f) for f in LAYOUT_FIELDS}
     now["zero_stage"] = cfg.optim.zero_stage
+    now["groups"] = cfg.optim.optimizer_group_max_numel  # the optimizer's shards too
     was = {f: saved.get("parallel", {}).get(f) for f in LAYOUT_FIELDS}
     was["zero_stage"] = saved.get("optim", {}).get("zero_stage")
+    was["groups"] = saved.get("optim", {}).get("optimizer_group_max_numel", 0)
     if was == now and meta.get("world_size") == run.groups.layout.world_size:
         return None
     return os.path.join(load_dir, tag), meta

@@ -99,6 +99,11 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
             f"{uneven[0]} / decoder_last_pipeline_num_layers={uneven[1]}: uneven stages are not "
             "available with the interleaved schedule"
         )
+    if cfg.optim.optimizer_group_max_numel < 0:
+        e.append(
+            f"optimizer_group_max_numel={cfg.optim.optimizer_group_max_numel}: give the most "
+            "parameter elements per optimizer group (0: no bound)"
+        )
     if pp > 1 and cfg.optim.zero_stage == 3:
         e.append(
             f"zero_stage=3 with pipeline_model_parallel_size={pp}: ZeRO-3 gathers and releases "

@@ -87,6 +87,30 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = 
     ]
 
 
+def bound_groups(pgroups: list[dict], max_numel: int) -> list[dict]:
+    """Each parameter group cut, in model order, into groups of at most ``max_numel`` elements
+    (a larger tensor alone), same options. At the step, DeepSpeed's ZeRO 1/2 flattens one group's
+    bf16 gradients and casts them to fp32 before stepping it, then frees both: with one group of
+    every weight that transient is 6 bytes per parameter of the model (36 GB at 6 B parameters)
+    on top of everything else; with bounded groups it is 6 x ``max_numel`` bytes. 0: unbounded.
+    """
+    if max_numel <= 0:
+        return pgroups
+    out = []
+    for g in pgroups:
+        chunk: list = []
+        numel = 0
+        for p in g["params"]:
+            if chunk and numel + p.numel() > max_numel:
+                out.append({**g, "params": chunk})
+                chunk, numel = [], 0
+            chunk.append(p)
+            numel += p.numel()
+        if chunk:
+            out.append({**g, "params": chunk})
+    return out
+
+
 def count_once_in_grad_norm(model, groups) -> None:
     """Under pipelining, DeepSpeed's ZeRO-0 clipping counts a parameter that is not marked model
     parallel only where ``mpu.get_model_parallel_rank() == 0`` (tp x pp rank 0): the first stage
@@ -111,6 +135,7 @@ def build_engine(model, cfg, groups):
 
         register_expert_groups(model, groups)
         pgroups = split_expert_groups(pgroups, groups.ep)
+    pgroups = bound_groups(pgroups, o.optimizer_group_max_numel)
     opt = torch.optim.AdamW(
         pgroups,
         lr=o.lr,

@@ -28,6 +28,7 @@ def test_another_shape_or_layout_is_one_line(tmp_path, capsys):
     saved = {
         "model": {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4},
         "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1},
+        "optim": {"optimizer_group_max_numel": 100_000_000},
     }
     d = _fake_checkpoint(tmp_path, saved)
     before = sorted(os.listdir(d))
@@ -36,6 +37,31 @@ def test_another_shape_or_layout_is_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {d}/iter_0000003/megafp8.json")
     assert "hidden_size=128, tensor_model_parallel_size=2; this run has hidden_size=64" in err
     assert sorted(os.listdir(d)) == before  # nothing written
+
+
+def test_other_optimizer_groups_need_torch_dist(tmp_path, capsys):
+    """The optimizer's groups are the shards' layout too: another --optimizer-group-max-numel is
+    one line for a torch-format checkpoint, and no error for a torch_dist one; a record without
+    the field (saved before groups were bounded) stands for 0, no bound."""
+    from megafp8.checkpoint import check_compatible
+    from megafp8.cli import parse_args
+
+    saved = parse_args([*FLAGS, "--optimizer-group-max-numel", "5000"]).to_dict()
+    d = _fake_checkpoint(tmp_path / "a", saved)
+    assert main([*FLAGS, "--load", d]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "optimizer_group_max_numel=5000; this run has optimizer_group_max_numel=100000000" in err
+    saved["train"]["ckpt_format"] = "torch_dist"
+    check_compatible(_fake_checkpoint(tmp_path / "b", saved), parse_args(FLAGS))  # no error
+    del saved["optim"]["optimizer_group_max_numel"]  # saved before the bound: one group per kind
+    saved["train"]["ckpt_format"] = "torch"
+    assert main([*FLAGS, "--load", _fake_checkpoint(tmp_path / "c", saved)]) == 2
+    assert "optimizer_group_max_numel=0; this run has" in capsys.readouterr().err
+    check_compatible(
+        _fake_checkpoint(tmp_path / "d", saved),
+        parse_args([*FLAGS, "--optimizer-group-max-numel", "0"]),
+    )  # no error
 
 
 def test_foreign_record_is_one_line(tmp_path, capsys):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from megafp8.optim.zero import deepspeed_config, param_groups
+from megafp8.optim.zero import bound_groups, deepspeed_config, param_groups
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
 
@@ -70,6 +70,24 @@ def test_param_groups_exempt_biases_and_norms_from_weight_decay():
     assert no_decay == {id(net[0].bias), id(net[1].weight), id(net[1].bias)}
 
 
+def test_bound_groups_cut_in_model_order():
+    """Each group is cut, in order, into groups of at most max_numel elements, same options; a
+    tensor above the bound is a group of its own; nothing is lost or repeated."""
+    sizes = [30, 50, 40, 200, 10, 10, 90]
+    ps = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    groups = [{"params": ps[:5], "weight_decay": 0.1, "decoupled": False},
+              {"params": ps[5:], "weight_decay": 0.0, "decoupled": True}]  # fmt: skip
+    got = bound_groups(groups, 100)
+    assert [[p.numel() for p in g["params"]] for g in got] == [
+        [30, 50], [40], [200], [10], [10, 90]
+    ]  # fmt: skip
+    assert [g["weight_decay"] for g in got] == [0.1, 0.1, 0.1, 0.1, 0.0]
+    assert [g["decoupled"] for g in got] == [False] * 4 + [True]
+    assert [id(p) for g in got for p in g["params"]] == [id(p) for p in ps]
+    assert bound_groups(groups, 10**9) == groups
+    assert bound_groups(groups, 0) == groups  # 0: no bound (checkpoints saved before the bound)
+
+
 def _engine_settings(cfg):
     from megafp8.fp8.backend import Backend
     from megafp8.model.gpt import GPTModel
@@ -92,6 +110,8 @@ def _engine_settings(cfg):
         "dtype": next(model.parameters()).dtype,
         "groups": [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in pg],
         "adamw": type(getattr(eng.optimizer, "optimizer", eng.optimizer)).__name__,
+        "flat": [t.numel() for t in getattr(eng.optimizer, "bit16_groups_flat", [])],
+        "numels": [[p.numel() for p in g] for g in getattr(eng.optimizer, "bit16_groups", [])],
     }
 
 
@@ -118,3 +138,20 @@ def test_engine_takes_the_settings():
     assert s["bf16"] is False and s["dtype"] == torch.float32
     assert s["adamw"] == "AdamW"
     assert s["groups"] == [(2e-3, (0.8, 0.95), 1e-6, 0.05), (2e-3, (0.8, 0.95), 1e-6, 0.0)]
+    assert len(s["flat"]) == 2
+
+
+def test_engine_steps_bounded_groups():
+    """--optimizer-group-max-numel reaches DeepSpeed: ZeRO-1 flattens (and, at the step, casts to
+    fp32) one bounded group at a time; the tiny model's 2-D weights (>= 4096 elements) and the
+    norms land in many groups, none holding two tensors above the bound."""
+    cfg = tiny_config(optim=dict(zero_stage=1, optimizer_group_max_numel=4096))
+    s = run_distributed(_engine_settings, 1, cfg)[0]
+    assert len(s["flat"]) > 8 and len(s["groups"]) == len(s["flat"]) == len(s["numels"])
+    assert all(len(ns) == 1 or sum(ns) <= 4096 for ns in s["numels"])
+    assert all(
+        flat >= sum(ns) for flat, ns in zip(s["flat"], s["numels"], strict=True)
+    )  # + DeepSpeed padding
+    default = run_distributed(_engine_settings, 1, tiny_config())[0]
+    assert len(default["flat"]) == 2
+    assert sum(map(sum, default["numels"])) == sum(map(sum, s["numels"]))
