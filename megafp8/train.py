@@ -90,10 +90,11 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         torch.use_deterministic_algorithms(True)
+    # DeepSpeed reads LOCAL_RANK even where torch.distributed was set up before us
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if not dist.is_initialized():
         os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
         os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         backend = cfg.parallel.distributed_backend or ("nccl" if cuda else "gloo")

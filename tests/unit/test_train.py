@@ -123,3 +123,21 @@ def test_backend_sees_each_micro_batch_index_and_none_in_eval():
     seen = run_distributed(_microbatch_calls, 1, cfg)[0]
     assert seen[:8] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert None in seen[8:] and all(i is None for i in seen[8:])
+
+
+def _engine_after_outside_init(cfg):
+    """torch.distributed already set up (here: by the test helper), LOCAL_RANK not in the
+    environment (a second in-process run after the first's variables were cleared): the engine
+    still builds, as DeepSpeed reads LOCAL_RANK."""
+    from megafp8.train import build_run, init_distributed
+
+    os.environ.pop("LOCAL_RANK", None)
+    groups, device = init_distributed(cfg)
+    run = build_run(cfg, groups, device)
+    return os.environ["LOCAL_RANK"], type(run.engine).__name__
+
+
+def test_init_distributed_after_an_outside_init():
+    assert run_distributed(_engine_after_outside_init, 1, tiny_config()) == [
+        ("0", "DeepSpeedEngine")
+    ]
