@@ -41,7 +41,7 @@ PRECISIONS = ("bf16", "fp8")
 # The settings a case may vary (config field: default); a case's name tags every one off default.
 VARIANT = {
     "te_fused_norm": True,
-    "te_fused_mlp": False,
+    "te_fused_mlp": True,
     "te_weight_cache": True,
     "cross_entropy_loss_fusion": True,
     "zero_stage": 1,
@@ -49,7 +49,7 @@ VARIANT = {
 TAGS = {
     "cross_entropy_loss_fusion": "unfused-ce",
     "te_fused_norm": "unfused-norm",
-    "te_fused_mlp": "fused-mlp",
+    "te_fused_mlp": "unfused-mlp",
     "te_weight_cache": "no-weight-cache",
 }
 
@@ -248,7 +248,12 @@ def main() -> int:
         action="store_false",
         help="norms as separate kernels instead of TE's LayerNormLinear",
     )
-    ap.add_argument("--te-fused-mlp", action="store_true", help="the MLP as one te.LayerNormMLP")
+    ap.add_argument(
+        "--no-te-fused-mlp",
+        dest="te_fused_mlp",
+        action="store_false",
+        help="the MLP as norm + fc1, activation, fc2 (default: one te.LayerNormMLP)",
+    )
     ap.add_argument(
         "--no-te-weight-cache",
         dest="te_weight_cache",

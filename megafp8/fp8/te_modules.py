@@ -131,6 +131,9 @@ class TEFusedMLP(nn.Module):
             p = getattr(inn, pname, None)
             if isinstance(p, nn.Parameter):  # sees only this rank's share of its output grad
                 allreduce_grad_hook(p, tg)
+                # the unfused MLP's name for it (fc1's LayerNormLinear), so checkpoints carry
+                # one name whichever way the MLP runs
+                mark_full(p, f"{name}.fc1.linear.inner.{pname}")
 
     def forward(self, x):  # x: [s, b, h] -> [s, b, h]
         x = M.copy_to_tensor_parallel_region(x, self.tp_group)

@@ -56,11 +56,13 @@ def test_te_linear_fp8_error_bounds(recipe):
 
 
 def _fp8_gemms(model, backend):
-    """The model's GEMM modules that run in FP8 (TE modules with FP8 on, or our Fp8Linear)."""
+    """The model's GEMM modules that run in FP8 (TE modules with FP8 on, or our Fp8Linear); a
+    fused MLP (te.LayerNormMLP, the default) is one module of two GEMMs."""
     if backend == "te":
-        from megafp8.fp8.te_backend import TELinear
+        from megafp8.fp8.te_backend import TEFusedMLP, TELinear
 
-        return [m for m in model.modules() if isinstance(m, TELinear) and m.fp8]
+        kinds = (TELinear, TEFusedMLP)
+        return [m for m in model.modules() if isinstance(m, kinds) and m.fp8]
     from megafp8.fp8.torch_backend import Fp8Linear
 
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
@@ -114,15 +116,19 @@ def test_tiny_gpt_trains_in_fp8_on_gpu(backend):
     run = build_run(cfg, groups, device)
     assert run.backend.name == backend and run.backend.fp8
     gemms = _fp8_gemms(run.model, backend)
-    assert len(gemms) == 4 * cfg.model.num_layers
+    per_module = [2 if type(m).__name__ == "TEFusedMLP" else 1 for m in gemms]
+    assert sum(per_module) == 4 * cfg.model.num_layers
+    assert backend != "te" or len(gemms) == 3 * cfg.model.num_layers  # qkv, proj, fused MLP
     losses = [r["lm loss"] for r in train(cfg, run)]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
 
     if backend == "te":  # TE's DelayedScaling state: forward [input, weight, output] per GEMM,
         for m in gemms:  # backward [grad output, grad input]; amax_history is [len, tensors]
             fwd, bwd = m.inner.fp8_meta["scaling_fwd"], m.inner.fp8_meta["scaling_bwd"]
-            assert (fwd.amax_history.amax(0)[:2] > 0).all() and (fwd.scale[:2] != 1).all()
-            assert bwd.amax_history.amax(0)[0] > 0 and bwd.scale[0] != 1
+            for i in range(fwd.scale.numel() // 3):  # input and weight of each of its GEMMs
+                f, b = slice(3 * i, 3 * i + 2), 2 * i
+                assert (fwd.amax_history.amax(0)[f] > 0).all() and (fwd.scale[f] != 1).all()
+                assert bwd.amax_history.amax(0)[b] > 0 and bwd.scale[b] != 1
     else:  # our recipe: one ScalingMeta per (GEMM, role x / w / g)
         metas = run.backend.state.metas
         assert len(metas) == 3 * len(gemms)
