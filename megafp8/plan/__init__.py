@@ -60,7 +60,8 @@ def evaluate(cfg, lay: Layout, gpu, nodes: int) -> dict:
     gbs = t.global_batch_size or t.micro_batch_size * lay.dp
     v = padded_vocab_size(m.vocab_size or 50257, m.make_vocab_size_divisible_by, lay.tp)
     m_batches = gbs // (lay.micro * lay.dp)
-    mem = memory_gib(m, v, lay, cfg.fp8.enabled, t.bf16, m_batches)
+    mem = memory_gib(m, v, lay, cfg.fp8.enabled, t.bf16, m_batches,
+                     cfg.optim.optimizer_group_max_numel)  # fmt: skip
     sec = step_seconds(m, v, lay, gpu, cfg.fp8.enabled, gbs, nodes)
     tokens = gbs * m.seq_length / sec["total"] / lay.gpus
     tflops = flops_per_iteration(m, gbs, v) / sec["total"] / lay.gpus / 1e12

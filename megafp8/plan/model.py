@@ -2,9 +2,10 @@
 
 Memory (bytes per GPU, the most loaded pipeline stage), DeepSpeed ZeRO with bf16 parameters:
 - weights 2 B/param (fp32 runs: 4), gradients 2 B/param (ZeRO-2/3: / dp), fp32 master weights
-  4 and Adam moments 8 B/param (/ dp from ZeRO-1 on); in the optimizer step a fp32 copy of the
-  gradient partition (4 B/param / dp) joins them. ZeRO-3 keeps 2/dp B/param of weights plus one
-  gathered layer.
+  4 and Adam moments 8 B/param (/ dp from ZeRO-1 on); in the optimizer step a fp32 copy of one
+  optimizer group's gradient partition (4 B/param of the group / dp; the groups are bounded by
+  ``--optimizer-group-max-numel``, 0: one group of every weight) joins them. ZeRO-3 keeps 2/dp
+  B/param of weights plus one gathered layer.
 - the te backend's FP8 weight cache: two FP8 copies (row- and column-wise) of every GEMM weight
   shard, 2 B/param of the decoder layers.
 - activations of one micro-batch per layer (bf16, flash attention: no s x s matrix), summed from
@@ -132,8 +133,10 @@ def activation_bytes_per_layer(m, s: int, b: int, lay: Layout, fp8: bool) -> flo
     return keep
 
 
-def memory_gib(m, padded_vocab: int, lay: Layout, fp8: bool, bf16: bool, m_batches: int) -> dict:
-    """Per-GPU memory in GiB by part, and the peak."""
+def memory_gib(m, padded_vocab: int, lay: Layout, fp8: bool, bf16: bool, m_batches: int,
+               group_numel: int = 0) -> dict:  # fmt: skip
+    """Per-GPU memory in GiB by part, and the peak. ``group_numel``: the optimizer groups' bound
+    (``--optimizer-group-max-numel``; 0: one group for all weights)."""
     p = stage_params(m, padded_vocab, lay)
     d = lay.dp
     wbytes = 2 if bf16 else 4
@@ -141,7 +144,12 @@ def memory_gib(m, padded_vocab: int, lay: Layout, fp8: bool, bf16: bool, m_batch
     grads = p * (2 if bf16 else 4) / (d if lay.zero >= 2 else 1)
     master = p * 4 / d if bf16 else 0.0
     moments = p * 8 / (d if lay.zero >= 1 else 1)
-    step_grads = p * 4 / (d if lay.zero >= 1 else 1) if bf16 else 0.0
+    # the step's fp32 gradient copy covers one optimizer group at a time: the bound, or the
+    # largest tensor (the vocab-sized embedding or output layer shard) where that is larger
+    group = (
+        p if group_numel <= 0 else min(p, max(group_numel, padded_vocab * m.hidden_size / lay.tp))
+    )
+    step_grads = group * 4 / (d if lay.zero >= 1 else 1) if bf16 else 0.0
     gemm, _ = layer_params(m)
     cache = 2 * gemm / lay.tp * math.ceil(m.num_layers / lay.pp) if fp8 else 0.0
     s, b = m.seq_length, lay.micro
