@@ -36,7 +36,7 @@ def main() -> int:
     from megafp8.plan import plan
     from megafp8.plan.model import GPUS
 
-    print("| model | GPU | nodes | best layout (tp, pp, dp, recompute) | peak GiB | "
+    print("| model | GPU | nodes | best layout (tp, pp, dp, ep, recompute) | peak GiB | "
           "tokens/s/GPU | TFLOP/s/GPU |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name, flags in MODELS.items():
@@ -50,7 +50,7 @@ def main() -> int:
                     print(f"| {name} | {gpu.upper()} | {n} | does not fit | {need} | - | - |")
                     continue
                 lay = r["layout"]
-                print(f"| {name} | {gpu.upper()} | {n} | {lay.tp}, {lay.pp}, {lay.dp}, "
+                print(f"| {name} | {gpu.upper()} | {n} | {lay.tp}, {lay.pp}, {lay.dp}, {lay.ep}, "
                       f"{lay.recompute or 'none'} | {r['memory']['peak']:.0f} | "
                       f"{r['tokens_per_gpu']:,.0f} | {r['tflops']:.0f} |")  # fmt: skip
     return 0

@@ -7,7 +7,8 @@ sbatch line for the best.
 
 The run file and flags are ``pretrain_gpt.py``'s. Every TP (dividing the GPUs of a node, the
 heads, kv heads and ffn) x PP (dividing the layers) x DP layout of ``nodes x gpus-per-node`` GPUs
-whose global batch splits into micro-batches is tried with sequence parallelism on under TP and
+whose global batch splits into micro-batches, for an MoE model with each expert parallelism (EP
+dividing DP and the experts; ZeRO 1/2), is tried with sequence parallelism on under TP and
 each recompute setting (none, selective, full; or ``--recompute``); those whose predicted peak
 memory fits ``--mem-margin`` of the GPU are ranked by predicted tokens/s per GPU. The figures come
 from ``plan/model.py`` (its assumptions are in its docstring): a model fitted to single-GPU
@@ -37,8 +38,6 @@ def layouts(cfg, world: int, per_node: int, recompute=None) -> list[Layout]:
     for tp in _divisors(per_node):
         if m.num_attention_heads % tp or m.ffn % tp or (m.kv_heads % tp and tp % m.kv_heads):
             continue
-        if m.num_experts and tp > 1:  # MoE layers are not split over TP
-            continue
         for pp in _divisors(world // tp):
             if m.num_layers % pp:
                 continue
@@ -46,9 +45,13 @@ def layouts(cfg, world: int, per_node: int, recompute=None) -> list[Layout]:
             if gbs % (t.micro_batch_size * dp):
                 continue
             zero = min(cfg.optim.zero_stage, 2) if pp > 1 else cfg.optim.zero_stage
-            for rc in [recompute] if recompute != "any" else [None, "selective", "full"]:
-                out.append(Layout(tp, pp, dp, zero=zero, micro=t.micro_batch_size, recompute=rc,
-                                  sp=tp > 1))  # fmt: skip
+            eps = [1]  # expert parallelism inside DP: ZeRO 1/2, experts divisible by ep
+            if m.num_experts and zero in (1, 2):
+                eps = [e for e in _divisors(dp) if m.num_experts % e == 0]
+            for ep in eps:
+                for rc in [recompute] if recompute != "any" else [None, "selective", "full"]:
+                    out.append(Layout(tp, pp, dp, zero=zero, micro=t.micro_batch_size,
+                                      recompute=rc, sp=tp > 1, ep=ep))  # fmt: skip
     return out
 
 
@@ -81,8 +84,9 @@ def sbatch_line(run_file: str | None, lay: Layout, nodes: int, per_node: int) ->
     """``launch/pretrain.sbatch`` reads the run file and flags from RUN_FILE / EXTRA_FLAGS."""
     run = f"RUN_FILE={run_file} " if run_file else "RUN_FILE=<your run file> "
     sp = " --sequence-parallel" if lay.sp else ""
-    flags = (f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}{sp} "
-             f"--zero-stage {lay.zero}{RECOMPUTE[lay.recompute]}")  # fmt: skip
+    ep = f" --expert-model-parallel-size {lay.ep}" if lay.ep > 1 else ""
+    flags = (f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}{sp}"
+             f"{ep} --zero-stage {lay.zero}{RECOMPUTE[lay.recompute]}")  # fmt: skip
     return (f'{run}EXTRA_FLAGS="{flags}" sbatch --nodes={nodes} --ntasks-per-node={per_node} '
             f"--gpus-per-node={per_node} launch/pretrain.sbatch")  # fmt: skip
 
@@ -90,7 +94,8 @@ def sbatch_line(run_file: str | None, lay: Layout, nodes: int, per_node: int) ->
 def _row(r: dict) -> str:
     lay, mem = r["layout"], r["memory"]
     cells = [
-        lay.tp, lay.pp, lay.dp, lay.recompute or "-", f"{mem['peak']:.1f} ({mem['peak at']})",
+        lay.tp, lay.pp, lay.dp, lay.ep, lay.recompute or "-",
+        f"{mem['peak']:.1f} ({mem['peak at']})",
         "yes" if r["fits"] else "no", f"{r['seconds']['total']:.3f}",
         f"{r['tokens_per_gpu']:,.0f}", f"{r['tflops']:.0f}",
     ]  # fmt: skip
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
-    ap.add_argument("--layout", help="tp,pp,dp: this layout only, with its parts")
+    ap.add_argument("--layout", help="tp,pp,dp[,ep]: this layout only, with its parts")
     ap.add_argument("--recompute", default="any", choices=["any", "none", "selective", "full"])
     ap.add_argument("--top", type=int, default=10, help="layouts listed")
     ap.add_argument("--mem-margin", type=float, default=0.95, help="share of the GPU's memory")
@@ -123,16 +128,19 @@ def main(argv=None) -> int:
         rc = None if a.recompute == "none" else a.recompute
         gpu = GPUS[a.gpu]
         if a.layout:
-            tp, pp, dp = (int(x) for x in a.layout.split(","))
+            parts = [int(x) for x in a.layout.split(",")]
+            if len(parts) not in (3, 4):
+                raise ValueError(f"--layout {a.layout}: give tp,pp,dp or tp,pp,dp,ep")
+            tp, pp, dp, ep = (*parts, 1)[:4]
             if tp * pp * dp != world:
                 raise ValueError(f"--layout {a.layout}: tp x pp x dp = {tp * pp * dp} is not "
                                  f"--nodes x --gpus-per-node = {world}")  # fmt: skip
             par = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                       sequence_parallel=tp > 1)  # fmt: skip
+                       sequence_parallel=tp > 1, expert_model_parallel_size=ep)  # fmt: skip
             c = cfg.replace(parallel=par)
             validate(c, world)
             lay = Layout(tp, pp, dp, zero=c.optim.zero_stage, micro=c.train.micro_batch_size,
-                         recompute=None if rc == "any" else rc, sp=tp > 1)  # fmt: skip
+                         recompute=None if rc == "any" else rc, sp=tp > 1, ep=ep)  # fmt: skip
             r = evaluate(c, lay, gpu, a.nodes)
             r["fits"] = r["memory"]["peak"] <= a.mem_margin * gpu.mem_gib
             _print([r], a, cfg, detail=True)
@@ -155,8 +163,9 @@ def _print(rows, a, cfg, detail=False) -> None:
           f"{m.num_layers} layers h {m.hidden_size}, seq {m.seq_length}, global batch "
           f"{cfg.train.global_batch_size}, {'FP8' if cfg.fp8.enabled else 'BF16'}, "
           f"ZeRO-{cfg.optim.zero_stage}: predictions (megafp8/plan/model.py)\n")  # fmt: skip
-    print("| tp | pp | dp | recompute | peak GiB | fits | s/iter | tokens/s/GPU | TFLOP/s/GPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tp | pp | dp | ep | recompute | peak GiB | fits | s/iter | tokens/s/GPU | "
+          "TFLOP/s/GPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))
     best = rows[0]

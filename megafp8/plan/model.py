@@ -27,8 +27,12 @@ within 8 %), the optimizer step at a measured cost per parameter, plus communica
 bandwidths that is not overlapped: TP (SP: 4 all-gathers / reduce-scatters of s b h per layer
 forward and 4 backward; without SP 4 all-reduces of twice the bytes), the DP gradient reduction
 (2 bytes per parameter of the stage, twice (reduce-scatter + all-gather), x (dp-1)/dp), and the
-pipeline bubble (pp - 1) / (v m) of the compute. Multi-GPU and multi-node figures are this model's,
-not measurements.
+pipeline bubble (pp - 1) / (v m) of the compute. Expert parallelism (ep inside DP, expert TP 1):
+each GPU holds num_experts / ep routed experts of every MoE layer (whole on every TP rank); their
+ZeRO states shard over the dp / ep replicas and their gradients reduce over those only; the
+tokens move in 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
+backward) of s b k h bf16 x (ep - 1) / ep, over NVLink while tp x ep GPUs fit in a node, else the
+network, not overlapped. Multi-GPU and multi-node figures are this model's, not measurements.
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ class Layout:
     micro: int = 1
     recompute: str | None = None  # None | "selective" | "full"
     sp: bool = False
+    ep: int = 1  # expert parallelism, inside DP: the routed experts split over ep GPUs
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel size: the replicas of each routed expert."""
+        return self.dp // self.ep
 
     @property
     def gpus(self) -> int:
@@ -94,6 +104,13 @@ def layer_params(m) -> tuple[float, float]:
     return qkv + proj + mlp, other
 
 
+def expert_params(m) -> float:
+    """The routed experts' weights of one layer (whole): split over EP, replicated over TP."""
+    if not m.num_experts:
+        return 0.0
+    return m.num_experts * (3 if m.swiglu else 2) * m.hidden_size * m.moe_ffn
+
+
 def active_gemm_params(m) -> float:
     """GEMM weights one token goes through in a layer (MoE: k experts and the shared one)."""
     gemm, _ = layer_params(m)
@@ -105,12 +122,32 @@ def active_gemm_params(m) -> float:
 
 def stage_params(m, padded_vocab: int, lay: Layout) -> float:
     """Parameters held by one GPU of the most loaded stage (the first, or the last)."""
+    dense, experts = stage_split(m, padded_vocab, lay)
+    return dense + experts
+
+
+def stage_split(m, padded_vocab: int, lay: Layout) -> tuple[float, float]:
+    """(dense parameters, routed-expert parameters) on one GPU of the most loaded stage: the
+    dense GEMMs split over TP, the experts over EP (expert TP is 1: whole on every TP rank)."""
     gemm, other = layer_params(m)
+    exp = expert_params(m)
     layers = math.ceil(m.num_layers / lay.pp)
     emb = padded_vocab * m.hidden_size / lay.tp
     pos = m.max_positions * m.hidden_size if m.position_embedding_type != "rope" else 0
     ends = emb + pos if lay.pp > 1 else emb * (2 if m.untie_embeddings_and_output_weights else 1)
-    return layers * (gemm / lay.tp + other) + ends
+    moe_layers = math.ceil(layers * _moe_share(m))
+    dense_mlp = (3 if m.swiglu else 2) * m.hidden_size * m.ffn  # the MLP of a layer without MoE
+    dense = layers * ((gemm - exp) / lay.tp + other) + (layers - moe_layers) * (
+        dense_mlp / lay.tp if m.num_experts else 0.0
+    )
+    return dense + ends, moe_layers * exp / lay.ep
+
+
+def _moe_share(m) -> float:
+    """The share of layers that are MoE layers (``--moe-layer-freq``)."""
+    if not m.num_experts:
+        return 0.0
+    return sum(m.is_moe_layer(i) for i in range(m.num_layers)) / m.num_layers
 
 
 def activation_bytes_per_layer(m, s: int, b: int, lay: Layout, fp8: bool) -> float:
@@ -137,26 +174,30 @@ def memory_gib(m, padded_vocab: int, lay: Layout, fp8: bool, bf16: bool, m_batch
                group_numel: int = 0) -> dict:  # fmt: skip
     """Per-GPU memory in GiB by part, and the peak. ``group_numel``: the optimizer groups' bound
     (``--optimizer-group-max-numel``; 0: one group for all weights)."""
-    p = stage_params(m, padded_vocab, lay)
+    dense, exp = stage_split(m, padded_vocab, lay)
+    p = dense + exp
     d = lay.dp
+    shard = dense / d + exp / lay.edp  # ZeRO: dense states over DP, experts' over expert-DP
     wbytes = 2 if bf16 else 4
-    weights = p * (wbytes / d if lay.zero == 3 else wbytes)
-    grads = p * (2 if bf16 else 4) / (d if lay.zero >= 2 else 1)
-    master = p * 4 / d if bf16 else 0.0
-    moments = p * 8 / (d if lay.zero >= 1 else 1)
+    weights = wbytes * (shard if lay.zero == 3 else p)
+    grads = (2 if bf16 else 4) * (shard if lay.zero >= 2 else p)
+    master = 4 * shard if bf16 else 0.0
+    moments = 8 * (shard if lay.zero >= 1 else p)
     # the step's fp32 gradient copy covers one optimizer group at a time: the bound, or the
     # largest tensor (the vocab-sized embedding or output layer shard) where that is larger
     group = (
         p if group_numel <= 0 else min(p, max(group_numel, padded_vocab * m.hidden_size / lay.tp))
     )
     step_grads = group * 4 / (d if lay.zero >= 1 else 1) if bf16 else 0.0
-    gemm, _ = layer_params(m)
-    cache = 2 * gemm / lay.tp * math.ceil(m.num_layers / lay.pp) if fp8 else 0.0
-    s, b = m.seq_length, lay.micro
+    gemm, other = layer_params(m)
     layers = math.ceil(m.num_layers / lay.pp)
+    moe_layers = math.ceil(layers * _moe_share(m))
+    gemm_here = layers * (gemm - expert_params(m)) / lay.tp + moe_layers * expert_params(m) / lay.ep
+    cache = 2 * gemm_here if fp8 else 0.0  # FP8 copies of this GPU's GEMM weights
+    s, b = m.seq_length, lay.micro
     act = activation_bytes_per_layer(m, s, b, lay, fp8) * layers
     if lay.recompute == "full":  # plus one layer's working set during its recomputation
-        full = Layout(lay.tp, lay.pp, lay.dp, sp=lay.sp, micro=lay.micro)
+        full = Layout(lay.tp, lay.pp, lay.dp, sp=lay.sp, micro=lay.micro, ep=lay.ep)
         act += activation_bytes_per_layer(m, s, b, full, fp8)
     if lay.pp > 1:  # the first stage's micro-batches in flight
         inter = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1
@@ -197,10 +238,20 @@ def step_seconds(m, padded_vocab: int, lay: Layout, gpu: Gpu, fp8: bool, gbs: in
         tp_bytes = 8 * 2 * s * lay.micro * h * (lay.tp - 1) / lay.tp * (1 if lay.sp else 2)
         tp_bytes *= math.ceil(L / lay.pp) * m_batches
     t_tp = tp_bytes / (gpu.nvlink_gbs * 1e9)
-    p = stage_params(m, padded_vocab, lay)
+    dense, exp = stage_split(m, padded_vocab, lay)
     dp_bw = gpu.net_gbs if nodes > 1 and lay.dp > 1 else gpu.nvlink_gbs
-    t_dp = 2 * 2 * p * (lay.dp - 1) / lay.dp / (dp_bw * 1e9) if lay.dp > 1 else 0.0
-    t_step = p * STEP_S_PER_PARAM / (lay.dp if lay.zero >= 1 else 1)
-    total = compute + recompute + bubble + t_tp + t_dp + t_step
+    d, e = lay.dp, lay.edp  # experts' gradients are reduced over their replicas only
+    reduced = dense * (d - 1) / d + (exp * (e - 1) / e if e > 1 else 0.0)
+    t_dp = 2 * 2 * reduced / (dp_bw * 1e9) if lay.dp > 1 else 0.0
+    t_step = (dense / d + exp / e if lay.zero >= 1 else dense + exp) * STEP_S_PER_PARAM
+    t_ep = 0.0
+    if lay.ep > 1 and m.num_experts:  # dispatch and combine, forward and backward, per MoE layer
+        per_node = max(1, lay.gpus // max(1, nodes))
+        ep_bw = gpu.nvlink_gbs if lay.tp * lay.ep <= per_node else gpu.net_gbs
+        moe_layers = math.ceil(math.ceil(L / lay.pp) * _moe_share(m))
+        sent = 4 * 2 * s * lay.micro * m.moe_router_topk * h * (lay.ep - 1) / lay.ep
+        t_ep = sent * moe_layers * m_batches / (ep_bw * 1e9)
+    total = compute + recompute + bubble + t_tp + t_dp + t_ep + t_step
     return {"compute": compute, "recompute": recompute, "bubble": bubble, "tp comm": t_tp,
-            "dp comm": t_dp, "optimizer step": t_step, "total": total}  # fmt: skip
+            "dp comm": t_dp, "ep comm": t_ep, "optimizer step": t_step,
+            "total": total}  # fmt: skip

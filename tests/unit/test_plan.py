@@ -57,7 +57,7 @@ def test_cli_ranks_layouts_and_writes_the_sbatch_line(capsys):
     rows = [ln for ln in out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert rc == 0 and len(rows) == 5
     assert all(int(c[0]) * int(c[1]) * int(c[2]) == 16 for c in (r.split("|")[1:4] for r in rows))
-    speeds = [float(r.split("|")[8].replace(",", "")) for r in rows]
+    speeds = [float(r.split("|")[9].replace(",", "")) for r in rows]
     assert speeds == sorted(speeds, reverse=True)  # best first
     assert "RUN_FILE=launch/configs/llama-8b.yaml EXTRA_FLAGS=" in out
     assert "sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch/pretrain.sbatch" in out
@@ -73,3 +73,51 @@ def test_cli_one_layout_and_bad_input(capsys):
     assert main(["--config", "launch/configs/llama-8b.yaml", "--nodes", "1", "--gpus-per-node",
                  "1", "--gpu", "h100"]) == 1  # fmt: skip
     assert "nothing fits" in capsys.readouterr().out
+
+
+MOE = ["--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
+       "--num-attention-heads", "8", "--seq-length", "2048", "--max-position-embeddings", "2048",
+       "--vocab-size", "32000", "--num-experts", "8", "--moe-router-topk", "2",
+       "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16", "--swiglu",
+       "--fp8-format", "hybrid"]  # fmt: skip
+
+
+def test_expert_parallelism_splits_the_experts_and_their_states():
+    """EP 4 inside DP 8: each GPU holds 2 of the 8 experts of every layer (8 x 3 x 1024 x 4096
+    weights per layer, /4), their ZeRO-1 states shard over the 2 replicas instead of 8, their
+    gradients reduce over those 2 only, and 4 all-to-alls per layer and micro-batch appear."""
+    from megafp8.cli import parse_args
+    from megafp8.plan import evaluate
+    from megafp8.plan.model import Layout, expert_params, stage_split
+
+    cfg = parse_args([*MOE, "--mock-data"], [])
+    m, v = cfg.model, 32000
+    exp = 8 * expert_params(m)
+    assert expert_params(m) == 8 * 3 * 1024 * 4096
+    one, four = Layout(1, 1, 8, zero=1), Layout(1, 1, 8, zero=1, ep=4)
+    d1, e1 = stage_split(m, v, one)
+    d4, e4 = stage_split(m, v, four)
+    assert (d1, e1, e4) == (d4, exp, exp / 4)
+    r1, r4 = evaluate(cfg, one, GPUS["h100"], 1), evaluate(cfg, four, GPUS["h100"], 1)
+    gib = 2**30
+    assert r1["memory"]["Adam moments"] == pytest.approx(8 * (d1 / 8 + exp / 8) / gib)
+    assert r4["memory"]["Adam moments"] == pytest.approx(8 * (d4 / 8 + exp / 4 / 2) / gib)
+    assert r4["memory"]["weights"] == pytest.approx(2 * (d4 + exp / 4) / gib)
+    assert r1["seconds"]["ep comm"] == 0 < r4["seconds"]["ep comm"]
+    sent = 4 * 2 * 2048 * 2 * 1024 * 3 / 4 * 8 * 64 / 8  # bytes x layers x micro-batches
+    assert r4["seconds"]["ep comm"] == pytest.approx(sent / (GPUS["h100"].nvlink_gbs * 1e9))
+    # expert gradients reduce over 2 replicas: (e-1)/e = 1/2 of them, not 7/8
+    assert r4["seconds"]["dp comm"] < r1["seconds"]["dp comm"]
+
+
+def test_cli_tries_expert_parallel_layouts(capsys):
+    assert main([*MOE, "--nodes", "1", "--gpus-per-node", "8", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split("|") for ln in out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert {int(c[4]) for c in rows} >= {1, 2, 4, 8}  # the ep column
+    assert main([*MOE, "--nodes", "1", "--layout", "1,1,8,4"]) == 0
+    out = capsys.readouterr().out
+    assert "--expert-model-parallel-size 4" in out and "ep comm" in out
+    assert main([*MOE, "--nodes", "1", "--layout", "1,1,8,3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "expert_model_parallel_size=3" in err
