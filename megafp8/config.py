@@ -237,7 +237,7 @@ class OptimConfig:
     )
     decoupled_min_lr: float | None = _f(None, "their final learning rate (None: min_lr)")
     overlap_grad_reduce: bool = _f(False, "ZeRO: overlap the gradient reduction with backward")
-    grad_reduce_in_bf16: bool = _f(False, "ZeRO: reduce gradients in bf16 (with --bf16)")
+    grad_reduce_in_bf16: bool = _f(False, "with --bf16: reduce gradients in bf16 (default: fp32)")
     zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
     optimizer_group_max_numel: int = _f(
         100_000_000,

@@ -61,7 +61,13 @@ def deepspeed_config(cfg, dp: int) -> dict:
         "gradient_clipping": o.clip_grad,
         "zero_optimization": zero,
         "bf16": {"enabled": bool(t.bf16)},
-        **({"communication_data_type": "bf16"} if o.grad_reduce_in_bf16 else {}),
+        # DeepSpeed reduces bf16 gradients in bf16 unless told; Megatron reduces in fp32 unless
+        # --grad-reduce-in-bf16. One DP rank reduces nothing: no fp32 round trip there.
+        **(
+            {"communication_data_type": "bf16" if o.grad_reduce_in_bf16 else "fp32"}
+            if (t.bf16 and dp > 1) or o.grad_reduce_in_bf16
+            else {}
+        ),  # fmt: skip
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

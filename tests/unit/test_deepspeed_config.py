@@ -111,6 +111,7 @@ def _engine_settings(cfg):
         "groups": [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in pg],
         "adamw": type(getattr(eng.optimizer, "optimizer", eng.optimizer)).__name__,
         "flat": [t.numel() for t in getattr(eng.optimizer, "bit16_groups_flat", [])],
+        "comm": str(getattr(eng.optimizer, "communication_data_type", None)),
         "numels": [[p.numel() for p in g] for g in getattr(eng.optimizer, "bit16_groups", [])],
     }
 
@@ -155,3 +156,13 @@ def test_engine_steps_bounded_groups():
     default = run_distributed(_engine_settings, 1, tiny_config())[0]
     assert len(default["flat"]) == 2
     assert sum(map(sum, default["numels"])) == sum(map(sum, s["numels"]))
+
+
+def test_bf16_gradients_are_reduced_in_fp32_unless_asked():
+    """Megatron's meaning: with --bf16 the DP gradient reduction runs in fp32, and in bf16 only
+    with --grad-reduce-in-bf16 (DeepSpeed's own default for bf16 would be bf16)."""
+    cfg = tiny_config(train=dict(bf16=True, global_batch_size=None), optim=dict(zero_stage=1))
+    got = run_distributed(_engine_settings, 2, cfg)[0]
+    assert got["bf16"] and got["comm"] == "torch.float32"
+    cfg = cfg.replace(optim=dict(grad_reduce_in_bf16=True))
+    assert run_distributed(_engine_settings, 2, cfg)[0]["comm"] == "torch.bfloat16"

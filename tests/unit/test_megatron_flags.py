@@ -235,7 +235,13 @@ def test_decoupled_lr_groups_and_deepspeed_switches():
     ds = deepspeed_config(cfg, 1)
     assert ds["zero_optimization"]["overlap_comm"] is True
     assert ds["communication_data_type"] == "bf16"
-    assert "communication_data_type" not in deepspeed_config(tiny_config(), 1)
+    assert "communication_data_type" not in deepspeed_config(tiny_config(), 1)  # fp32 run
+    # with --bf16, Megatron's default: the gradients are reduced in fp32 (DeepSpeed's would be bf16)
+    bf16 = tiny_config(train=dict(bf16=True, global_batch_size=None))
+    assert deepspeed_config(bf16, 2)["communication_data_type"] == "fp32"
+    assert "communication_data_type" not in deepspeed_config(bf16, 1)  # nothing to reduce
+    bf16_reduce = bf16.replace(optim=dict(grad_reduce_in_bf16=True))
+    assert deepspeed_config(bf16_reduce, 2)["communication_data_type"] == "bf16"
 
 
 def test_llama_script_trains_end_to_end(tmp_path):
