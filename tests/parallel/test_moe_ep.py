@@ -72,6 +72,17 @@ def test_ep_layouts_give_the_one_process_losses(reference, layout, zero):
     _close(got[0], reference)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_bounded_optimizer_groups_under_ep(reference, zero):
+    """Optimizer groups bounded to 2048 elements: DeepSpeed's dense and expert groups are each cut
+    into several (the expert ones keep their expert-DP group); the one-process losses still."""
+    cfg = _cfg(parallel=dict(expert_model_parallel_size=2),
+               optim=dict(zero_stage=zero, optimizer_group_max_numel=2048))  # fmt: skip
+    got = run_distributed(_losses, 4, cfg)
+    assert all(g == got[0] for g in got)
+    _close(got[0], reference)
+
+
 def test_top1_with_a_capacity_drops_as_one_process():
     cfg = _cfg(model=dict(moe_router_topk=1, moe_expert_capacity_factor=1.0))
     ref = run_distributed(_losses, 1, cfg)[0]
