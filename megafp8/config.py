@@ -238,6 +238,11 @@ class OptimConfig:
     decoupled_min_lr: float | None = _f(None, "their final learning rate (None: min_lr)")
     overlap_grad_reduce: bool = _f(False, "ZeRO: overlap the gradient reduction with backward")
     grad_reduce_in_bf16: bool = _f(False, "with --bf16: reduce gradients in bf16 (default: fp32)")
+    accumulate_allreduce_grads_in_fp32: bool = _f(
+        False,
+        "with --bf16: add the micro-batches' gradients in fp32 (DeepSpeed's BF16_Optimizer, "
+        "ZeRO-1; default: bf16 .grad)",
+    )
     zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
     optimizer_group_max_numel: int = _f(
         100_000_000,

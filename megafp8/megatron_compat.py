@@ -95,13 +95,6 @@ TABLE = [
         "notice",
         "attention runs in fused kernels (SDPA or TE)",
     ),
-    _f(
-        "accumulate-allreduce-grads-in-fp32",
-        "switch",
-        "notice",
-        "the DP reduction runs in fp32 (the --bf16 default); across micro-batches gradients add up "
-        "in bf16 (DeepSpeed keeps bf16 .grad)",
-    ),
     _f("no-mmap-bin-files", "switch", "notice", ".bin files are always memory-mapped"),
     _f("tiktoken-pattern", str, "notice", "only for TikTokenizer, which is not supported"),
     _f("wandb-project", str, "notice", "use --tensorboard-dir"),

@@ -99,6 +99,13 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
             f"{uneven[0]} / decoder_last_pipeline_num_layers={uneven[1]}: uneven stages are not "
             "available with the interleaved schedule"
         )
+    o = cfg.optim
+    if cfg.train.bf16 and o.accumulate_allreduce_grads_in_fp32 and (o.zero_stage != 1 or ep > 1):
+        e.append(
+            f"accumulate_allreduce_grads_in_fp32 with zero_stage={o.zero_stage}, "
+            f"expert_model_parallel_size={ep}: fp32 gradient accumulation is DeepSpeed's "
+            "BF16_Optimizer, ZeRO-1 without expert parallelism"
+        )
     if cfg.optim.optimizer_group_max_numel < 0:
         e.append(
             f"optimizer_group_max_numel={cfg.optim.optimizer_group_max_numel}: give the most "

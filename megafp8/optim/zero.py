@@ -8,7 +8,9 @@ JIT-compiled DeepSpeed op (FusedAdam, CPUAdam) is ever built. ZeRO shards over
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
+import io
 import logging
 import math
 import os
@@ -68,6 +70,12 @@ def deepspeed_config(cfg, dp: int) -> dict:
             if (t.bf16 and dp > 1) or o.grad_reduce_in_bf16
             else {}
         ),  # fmt: skip
+        # fp32 gradient accumulation: DeepSpeed's BF16_Optimizer (ZeRO-1)
+        **(
+            {"data_types": {"grad_accum_dtype": "fp32"}}
+            if t.bf16 and o.accumulate_allreduce_grads_in_fp32
+            else {}
+        ),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -150,13 +158,19 @@ def build_engine(model, cfg, groups):
         fused=fused or None,
     )
     guard = StepGuard(opt)
-    engine, _, _, _ = ds.initialize(
-        model=model,
-        optimizer=opt,
-        config=deepspeed_config(cfg, groups.dp),
-        mpu=groups.as_deepspeed_mpu(),
-        dist_init_required=False,
-    )
+    quiet = contextlib.redirect_stdout(io.StringIO())  # BF16_Optimizer prints memory per group
+    with (
+        quiet
+        if cfg.train.bf16 and o.accumulate_allreduce_grads_in_fp32
+        else contextlib.nullcontext()
+    ):
+        engine, _, _, _ = ds.initialize(
+            model=model,
+            optimizer=opt,
+            config=deepspeed_config(cfg, groups.dp),
+            mpu=groups.as_deepspeed_mpu(),
+            dist_init_required=False,
+        )
     if o.zero_stage == 0 and not cfg.train.bf16 and cfg.train.check_for_nan_in_loss_and_grad:
         guard.check_grads = True  # the one layout where DeepSpeed steps on non-finite gradients
     return engine

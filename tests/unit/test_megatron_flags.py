@@ -274,10 +274,7 @@ def test_document_reset_flags_are_refused_with_the_reason(flag):
         _parse(f"--mock-data {flag}")
 
 
-def test_fp32_gradient_accumulation_flag_is_a_notice():
-    """Megatron's --accumulate-allreduce-grads-in-fp32 (its --bf16 default) is taken with one
-    notice saying what happens here: the DP reduction in fp32, the micro-batch sum in bf16."""
+def test_fp32_gradient_accumulation_flag_is_taken():
+    """Megatron's --accumulate-allreduce-grads-in-fp32 is a real switch here (no notice)."""
     cfg, notices = _parse("--mock-data --bf16 --accumulate-allreduce-grads-in-fp32")
-    assert cfg.train.bf16 and not cfg.optim.grad_reduce_in_bf16
-    assert len(notices) == 1 and notices[0].startswith("--accumulate-allreduce-grads-in-fp32")
-    assert "fp32" in notices[0] and "in bf16" in notices[0]
+    assert cfg.optim.accumulate_allreduce_grads_in_fp32 and notices == []
