@@ -158,12 +158,9 @@ def build_engine(model, cfg, groups):
         fused=fused or None,
     )
     guard = StepGuard(opt)
-    quiet = contextlib.redirect_stdout(io.StringIO())  # BF16_Optimizer prints memory per group
-    with (
-        quiet
-        if cfg.train.bf16 and o.accumulate_allreduce_grads_in_fp32
-        else contextlib.nullcontext()
-    ):
+    # DeepSpeed's BF16_Optimizer prints its memory for every parameter group
+    quiet = cfg.train.bf16 and o.accumulate_allreduce_grads_in_fp32
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         engine, _, _, _ = ds.initialize(
             model=model,
             optimizer=opt,

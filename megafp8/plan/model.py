@@ -135,7 +135,7 @@ def stage_split(m, padded_vocab: int, lay: Layout) -> tuple[float, float]:
     emb = padded_vocab * m.hidden_size / lay.tp
     pos = m.max_positions * m.hidden_size if m.position_embedding_type != "rope" else 0
     ends = emb + pos if lay.pp > 1 else emb * (2 if m.untie_embeddings_and_output_weights else 1)
-    moe_layers = math.ceil(layers * _moe_share(m))
+    moe_layers = _moe_layers(m, layers)
     dense_mlp = (3 if m.swiglu else 2) * m.hidden_size * m.ffn  # the MLP of a layer without MoE
     dense = layers * ((gemm - exp) / lay.tp + other) + (layers - moe_layers) * (
         dense_mlp / lay.tp if m.num_experts else 0.0
@@ -143,11 +143,11 @@ def stage_split(m, padded_vocab: int, lay: Layout) -> tuple[float, float]:
     return dense + ends, moe_layers * exp / lay.ep
 
 
-def _moe_share(m) -> float:
-    """The share of layers that are MoE layers (``--moe-layer-freq``)."""
+def _moe_layers(m, layers: int) -> int:
+    """MoE layers among ``layers`` of a stage, at the model's share (``--moe-layer-freq``)."""
     if not m.num_experts:
-        return 0.0
-    return sum(m.is_moe_layer(i) for i in range(m.num_layers)) / m.num_layers
+        return 0
+    return math.ceil(layers * sum(map(m.is_moe_layer, range(m.num_layers))) / m.num_layers)
 
 
 def activation_bytes_per_layer(m, s: int, b: int, lay: Layout, fp8: bool) -> float:
@@ -191,7 +191,7 @@ def memory_gib(m, padded_vocab: int, lay: Layout, fp8: bool, bf16: bool, m_batch
     step_grads = group * 4 / (d if lay.zero >= 1 else 1) if bf16 else 0.0
     gemm, other = layer_params(m)
     layers = math.ceil(m.num_layers / lay.pp)
-    moe_layers = math.ceil(layers * _moe_share(m))
+    moe_layers = _moe_layers(m, layers)
     gemm_here = layers * (gemm - expert_params(m)) / lay.tp + moe_layers * expert_params(m) / lay.ep
     cache = 2 * gemm_here if fp8 else 0.0  # FP8 copies of this GPU's GEMM weights
     s, b = m.seq_length, lay.micro
@@ -248,7 +248,7 @@ def step_seconds(m, padded_vocab: int, lay: Layout, gpu: Gpu, fp8: bool, gbs: in
     if lay.ep > 1 and m.num_experts:  # dispatch and combine, forward and backward, per MoE layer
         per_node = max(1, lay.gpus // max(1, nodes))
         ep_bw = gpu.nvlink_gbs if lay.tp * lay.ep <= per_node else gpu.net_gbs
-        moe_layers = math.ceil(math.ceil(L / lay.pp) * _moe_share(m))
+        moe_layers = _moe_layers(m, math.ceil(L / lay.pp))
         sent = 4 * 2 * s * lay.micro * m.moe_router_topk * h * (lay.ep - 1) / lay.ep
         t_ep = sent * moe_layers * m_batches / (ep_bw * 1e9)
     total = compute + recompute + bubble + t_tp + t_dp + t_ep + t_step
