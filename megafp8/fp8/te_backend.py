@@ -174,9 +174,19 @@ class TEBackend(Backend):
 
     def split_qkv(self, qkv, heads_per_group, rope=None):
         """With RoPE: one TE kernel splits the grouped QKV output and rotates q and k, writing q
-        with its heads adjacent (no separate copy, no fp32 intermediates)."""
+        with its heads adjacent (no separate copy, no fp32 intermediates). Without: TE's
+        SplitAlongDim, whose backward finds the three gradients already side by side in one
+        buffer (TE's attention writes dq, dk, dv into one dqkv for the interleaved layout) and
+        returns that buffer, where torch's split / unbind would copy them into a new one."""
         if not rope:
-            return super().split_qkv(qkv, heads_per_group)
+            from transformer_engine.pytorch.utils import SplitAlongDim
+
+            s, b, g = qkv.shape[:3]
+            hd = qkv.shape[3] // (heads_per_group + 2)
+            parts = qkv.view(s, b, g, heads_per_group + 2, hd)  # per group: hpg q heads, k, v
+            q, k, v = SplitAlongDim.apply(parts, 3, [heads_per_group, 1, 1])
+            # q a view when hpg == 1; grouped-query q is a copy (see Backend.split_qkv)
+            return q.reshape(s, b, g * heads_per_group, hd), k.squeeze(3), v.squeeze(3)
         from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
         s, b = qkv.shape[:2]

@@ -225,6 +225,42 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
     assert worst <= 1.0, ("grad", float(d.max()), worst, _where(d))
 
 
+@cuda
+@pytest.mark.parametrize("hpg", [1, 4])
+def test_te_split_without_rope_equals_the_torch_split(hpg, monkeypatch):
+    """Without RoPE the te backend splits through TE's SplitAlongDim (its backward hands back the
+    dqkv buffer TE's attention wrote, instead of copying three gradients into a new one): the
+    same q, k, v bit for bit and, through TE's attention (deterministic kernels), the same qkv
+    gradient; one bf16 rounding of slack in case the attention's dq sums change order."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    _te()
+    import transformer_engine.pytorch as te
+
+    from megafp8.config import Fp8Config
+    from megafp8.fp8.backend import Backend, build_backend
+    from megafp8.parallel.mappings import SOLO
+
+    te_be = build_backend(Fp8Config(fp8_backend="te"), amax_group=SOLO, tp_group=SOLO)
+    s, b, g, hd = 128, 2, 4, 64
+    attn = te.DotProductAttention(g * hpg, hd, num_gqa_groups=g, attn_mask_type="causal",
+                                  qkv_format="sbhd")  # fmt: skip
+    torch.manual_seed(0)
+    x = torch.randn(s, b, g, (hpg + 2) * hd, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(s, b, g * hpg * hd, device="cuda", dtype=torch.bfloat16)
+    outs, grads = [], []
+    for be in (te_be, Backend()):
+        xi = x.clone().requires_grad_()
+        q, k, v = be.split_qkv(xi, hpg)
+        outs.append([t.detach().clone() for t in (q, k, v)])
+        (attn(q, k, v) * dy).float().sum().backward()
+        grads.append(xi.grad)
+    for got, ref in zip(outs[0], outs[1], strict=True):
+        assert got.shape == ref.shape and torch.equal(got, ref)
+    top = float(grads[1].abs().max())
+    torch.testing.assert_close(grads[0], grads[1], rtol=2**-7, atol=2**-8 * top)
+    assert top > 0
+
+
 def _where(d):
     """Index of the largest difference (position first: RoPE's angle grows with it)."""
     return [int(i) for i in torch.unravel_index(d.argmax(), d.shape)]
