@@ -358,18 +358,18 @@ def _all_of(managers):
 
 
 def resolve_backend_name(f) -> str:
-    """``auto``: te where TE and a GPU are present, else torch; ``none`` when FP8 is off."""
+    """``auto``: te where TE and a GPU are present, FP8 or not (its fused norm, MLP and RoPE
+    kernels serve BF16 too); else torch with FP8 and ``none`` (plain PyTorch) without."""
     if f.fp8_backend == "te":
         return "te"
-    if not f.enabled:
-        return "none"
     if f.fp8_backend == "auto":
-        if importlib.util.find_spec("transformer_engine") is None:
-            return "torch"
-        from megafp8.fp8.te_backend import te_available
+        if importlib.util.find_spec("transformer_engine") is not None:
+            from megafp8.fp8.te_backend import te_available
 
-        return "te" if te_available() else "torch"
-    return f.fp8_backend
+            if te_available():
+                return "te"
+        return "torch" if f.enabled else "none"
+    return f.fp8_backend if f.enabled else "none"
 
 
 def build_backend(

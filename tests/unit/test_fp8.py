@@ -179,3 +179,29 @@ def test_state_dict_round_trip():
     st2.load_state_dict(st.state_dict())
     assert torch.equal(st2.meta("a", "x").scale, st.meta("a", "x").scale)
     assert torch.equal(st2.meta("a", "x").amax_history, st.meta("a", "x").amax_history)
+
+
+@pytest.mark.parametrize(
+    "te_ok,fmt,choice,expected",
+    [
+        (True, None, "auto", "te"),  # BF16 runs on TE's fused kernels where they exist
+        (True, "hybrid", "auto", "te"),
+        (False, None, "auto", "none"),
+        (False, "hybrid", "auto", "torch"),
+        (True, None, "none", "none"),  # the plain PyTorch modules, on request
+        (True, None, "torch", "none"),  # the torch backend is an FP8 recipe: nothing to do
+        (False, None, "te", "te"),
+    ],
+)
+def test_backend_choice(monkeypatch, te_ok, fmt, choice, expected):
+    import importlib.util
+
+    from megafp8.config import Fp8Config
+    from megafp8.fp8 import backend, te_backend
+
+    find = importlib.util.find_spec
+    present = lambda n, *a: object() if n == "transformer_engine" else find(n, *a)  # noqa: E731
+    monkeypatch.setattr(backend.importlib.util, "find_spec", present)
+    monkeypatch.setattr(te_backend, "te_available", lambda: te_ok)
+    f = Fp8Config(fp8_format=fmt, fp8_backend=choice)
+    assert backend.resolve_backend_name(f) == expected
