@@ -389,13 +389,6 @@ def build_backend(
             raise ValueError("fp8_backend='te' needs Transformer Engine: pip install -e .[te]")
         from megafp8.fp8.te_backend import TEBackend
 
-        if recipe is not None and world(tp_group) > 1:
-            log.warning(
-                "FP8 on the te backend at tensor_model_parallel_size=%d: its gradients are not "
-                "yet proven equal to one process's (tests/gpu/test_te_tp.py); those of "
-                "--fp8-backend torch are",
-                world(tp_group),
-            )
         return TEBackend(
             recipe,
             amax_group=amax_group,

@@ -79,11 +79,15 @@ class TEBackend(Backend):
         if recipe is not None:
             fmt = ter.Format.HYBRID if recipe.fp8_format == "hybrid" else ter.Format.E4M3
             if recipe.recipe == "delayed":
+                # TE reduces amaxes over the autocast's group, and a group of None means the
+                # whole world to it: an amax group of one rank (e.g. TP 1 x DP 1 under PP) must
+                # switch the reduction off, or the stages' different layers would share amaxes
                 self.te_recipe = ter.DelayedScaling(
                     fp8_format=fmt,
                     margin=recipe.margin,
                     amax_history_len=recipe.amax_history_len,
                     amax_compute_algo=recipe.amax_compute_algo,
+                    reduce_amax=M.world(amax_group) > 1,
                 )
             elif recipe.recipe == "tensorwise":
                 self.te_recipe = ter.Float8CurrentScaling(fp8_format=fmt)
@@ -260,6 +264,6 @@ class TEBackend(Backend):
     def autocast(self):
         if not self.fp8:
             return contextlib.nullcontext()
-        # TE takes None for "this process alone" and calls torch.distributed on any other value
+        # a group of one rank is no torch.distributed group: None, with reduce_amax off above
         group = self.amax_group if M.world(self.amax_group) > 1 else None
         return self.te.autocast(enabled=True, recipe=self.te_recipe, amax_reduction_group=group)
