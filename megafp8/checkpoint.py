@@ -230,6 +230,30 @@ SHAPE = [("model", f) for f in (
 LAYOUT = {f for sec, f in SHAPE if sec in ("parallel", "optim")}
 
 
+def module_family(cfg) -> str:
+    """Which modules hold the weights, hence the names in DeepSpeed's torch-format shards: TE's
+    (with the norms fused into the next GEMM and the MLP as one module, or not) or ours."""
+    from megafp8.fp8.backend import resolve_backend_name
+
+    if resolve_backend_name(cfg.fp8) != "te":
+        return "torch"
+    norm = cfg.fp8.te_fused_norm and not cfg.parallel.sequence_parallel
+    return (
+        "te"
+        + ("+fused-norm" if norm else "")
+        + ("+fused-mlp" if norm and cfg.fp8.te_fused_mlp else "")
+    )
+
+
+def recorded_family(record: dict) -> str | None:
+    """The record's module family; for a record older than the field: ``torch`` where FP8 was
+    off and the backend not forced to te (BF16 ran on our modules then), else unknown (None)."""
+    if "modules" in record:
+        return record["modules"]
+    f = record.get("config", {}).get("fp8", {})
+    return "torch" if f.get("fp8_format") is None and f.get("fp8_backend") != "te" else None
+
+
 def check_compatible(load_dir: str, cfg) -> None:
     """Before any process group: the checkpoint ``latest`` names in ``load_dir`` (if any) was
     written by a model of this run's shape in this layout. Raises ValueError, one line naming the
@@ -250,14 +274,18 @@ def check_compatible(load_dir: str, cfg) -> None:
     # a value this run leaves to be derived (None: the tokenizer's vocab, 4h, all heads) is not
     # compared; the layout and every value given must match
     diff = [(n, a, b) for _, n, a, b in pairs if b is not None and a != b]
-    if saved.get("train", {}).get("ckpt_format") == "torch_dist":  # any layout loads it
-        diff = [d for d in diff if d[0] not in LAYOUT]
+    was = recorded_family(record)
+    if was is not None and was != module_family(cfg):
+        diff.append(("modules", was, module_family(cfg)))
+    if saved.get("train", {}).get("ckpt_format") == "torch_dist":  # any layout, any modules
+        diff = [d for d in diff if d[0] not in LAYOUT | {"modules"}]
     if diff:
         had = ", ".join(f"{n}={a!r}" for n, a, _ in diff)
         has = ", ".join(f"{n}={b!r}" for n, _, b in diff)
         raise ValueError(
             f"{path} was written with {had}; this run has {has}: load it with the same shape "
-            "and layout (one saved with --ckpt-format torch_dist loads into any layout: "
+            "and layout (modules: --fp8-backend, --[no-]te-fused-norm, --[no-]te-fused-mlp; "
+            "one saved with --ckpt-format torch_dist loads into any layout: "
             "data_tools/convert_checkpoint.py converts this one)"
         )
     check_files(os.path.join(load_dir, tag), record)

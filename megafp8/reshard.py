@@ -234,8 +234,8 @@ LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 
 def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:
     """(the checkpoint's directory, its record) when ``latest`` in ``load_dir`` was saved with
-    torch_dist by another layout (TP, PP, stages, world size, ZeRO stage or optimizer groups);
-    else None."""
+    torch_dist by another layout (TP, PP, stages, world size, ZeRO stage, optimizer groups or
+    module family: the shards' names); else None."""
     import json
 
     from megafp8.checkpoint import latest_tag
@@ -255,6 +255,10 @@ def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:
     was = {f: saved.get("parallel", {}).get(f) for f in LAYOUT_FIELDS}
     was["zero_stage"] = saved.get("optim", {}).get("zero_stage")
     was["groups"] = saved.get("optim", {}).get("optimizer_group_max_numel", 0)
+    from megafp8.checkpoint import module_family, recorded_family
+
+    now["modules"] = module_family(cfg)
+    was["modules"] = recorded_family(meta) or now["modules"]  # unknown: take it as this run's
     if was == now and meta.get("world_size") == run.groups.layout.world_size:
         return None
     return os.path.join(load_dir, tag), meta

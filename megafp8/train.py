@@ -200,7 +200,8 @@ def save(run: Run) -> None:
         "fp8_fallback": run.fp8_guard.state_dict() if run.fp8_guard else {},
     }
     meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict(),
-            "world_size": run.groups.layout.world_size}  # fmt: skip
+            "world_size": run.groups.layout.world_size,
+            "modules": checkpoint.module_family(run.cfg)}  # fmt: skip
     t = run.cfg.train
     files = expert_files(run.groups, run.model, run.backend)
     if t.ckpt_format == "torch_dist":  # also layout-free (reshard.py); a collective

@@ -87,7 +87,9 @@ def test_truncated_or_missing_shard_is_one_line(tmp_path, capsys):
     assert main([*FLAGS, "--save", ck, "--save-interval", "4", "--zero-stage", "1"]) == 0
     tag = os.path.join(ck, "iter_0000004")
     with open(os.path.join(tag, "megafp8.json")) as f:
-        files = json.load(f)["files"]
+        record = json.load(f)
+    files = record["files"]
+    assert record["modules"] == "torch"  # no Transformer Engine on this machine
     shard = next(n for n in files if n.endswith("optim_states.pt"))
     with open(os.path.join(tag, shard), "r+b") as f:
         f.truncate(files[shard] // 2)
@@ -99,3 +101,52 @@ def test_truncated_or_missing_shard_is_one_line(tmp_path, capsys):
     assert main([*FLAGS, "--load", ck, "--train-iters", "6"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is missing" in err, err
+
+
+def test_other_modules_need_torch_dist(tmp_path, capsys):
+    """TE's modules (norms fused or not, the MLP as one module or not) name the weights in
+    DeepSpeed's torch-format shards differently from ours: a record of another family is one line
+    naming the flags; a torch_dist one loads through the one-process names (the reshard path)."""
+    from types import SimpleNamespace
+
+    from megafp8.checkpoint import check_compatible
+    from megafp8.cli import parse_args
+    from megafp8.reshard import layout_changed
+
+    cfg = parse_args(FLAGS)
+    d = _fake_checkpoint(tmp_path / "a", cfg.to_dict())
+    rec = os.path.join(d, "iter_0000003", "megafp8.json")
+    with open(rec) as f:
+        record = json.load(f)
+    with open(rec, "w") as f:
+        json.dump({**record, "modules": "te+fused-norm+fused-mlp", "world_size": 1}, f)
+    assert main([*FLAGS, "--load", d]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "modules='te+fused-norm+fused-mlp'; this run has modules='torch'" in err
+    assert "--fp8-backend" in err
+    run = SimpleNamespace(cfg=cfg, groups=SimpleNamespace(layout=SimpleNamespace(world_size=1)))
+    assert layout_changed(run, d) is None  # torch format: never resharded
+    record["config"]["train"]["ckpt_format"] = "torch_dist"
+    with open(rec, "w") as f:
+        json.dump({**record, "modules": "te+fused-norm+fused-mlp", "world_size": 1}, f)
+    check_compatible(d, cfg)  # no error
+    assert layout_changed(run, d) is not None  # by the one-process names
+    with open(rec, "w") as f:
+        json.dump({**record, "modules": "torch", "world_size": 1}, f)
+    assert layout_changed(run, d) is None
+
+
+def test_bf16_record_older_than_the_family_counts_as_torch():
+    """Before ``auto`` picked te without FP8, BF16 ran on our modules: an old record (no
+    ``modules``) of a BF16 run is the torch family; of an FP8 run, unknown."""
+    from megafp8.checkpoint import recorded_family
+    from megafp8.cli import parse_args
+
+    bf16 = parse_args(FLAGS).to_dict()
+    assert recorded_family({"config": bf16}) == "torch"
+    fp8 = parse_args([*FLAGS, "--fp8-format", "hybrid"]).to_dict()
+    assert recorded_family({"config": fp8}) is None
+    forced = parse_args([*FLAGS, "--fp8-backend", "te"]).to_dict()
+    assert recorded_family({"config": forced}) is None
+    assert recorded_family({"config": fp8, "modules": "te"}) == "te"
