@@ -128,8 +128,8 @@ def test_te_backend_tp2_fp8_matches_one_process(fused_mlp):
        shards' GEMMs, the reductions); in this tiny model the first iteration quantizes with
        scale 1, E5M2 gradients sit near its subnormal range, and any change of order flips
        roundings there: measured on one H200, one ulp moves layer 0's QKV weight gradient by
-       ~12 % and TP by ~10 % (the same flips move the backward scales by 0.5-2 %). A wrong
-       shard, a missing reduction or a scale out of step would be far outside that floor.
+       12-13 % and TP by 10-13 % (the same flips move the backward scales by 0.5-2 %). A wrong
+       shard would be far outside that floor; a missing reduction would break (1).
     """
     pytest.importorskip("transformer_engine.pytorch")
     cfg = _cfg("hybrid", fused_mlp, bf16=False)
