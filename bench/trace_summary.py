@@ -11,6 +11,13 @@ working directory). This reads its kernel, memcpy and memset events:
 prints the GPU span, the busy and idle time (the union of the kernel intervals against the span),
 then one row per kernel name: ms per iteration (``--iters``: how many iterations the trace holds),
 calls per iteration and the share of busy time. ``--json F`` writes the same as JSON.
+
+Where the GPU waited: each idle gap is charged to the phase whose CPU code launched the kernel
+that ended it (the innermost ``record_function`` range around that launch: the training loop
+marks ``megafp8.data``, ``megafp8.forward``, ``megafp8.backward``, ``megafp8.fp8-update`` and
+``megafp8.step``; ``(none)`` outside them).
+Idle time per phase, and the ``--gaps N`` longest gaps with their place in the span and the
+kernels on either side.
 """
 
 from __future__ import annotations
@@ -22,6 +29,34 @@ import json
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def _phases(trace: dict):
+    """kernel event -> the name of the innermost ``user_annotation`` range around the CPU call
+    (matched by ``args.correlation``) that launched it, on the launching thread, else on any
+    thread; ``(none)`` where there is none."""
+    launch, ranges = {}, collections.defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                launch[corr] = (e.get("tid"), float(e["ts"]))
+        elif e.get("cat") == "user_annotation":
+            t0 = float(e["ts"])
+            ranges[e.get("tid")].append((t0, t0 + float(e["dur"]), e["name"]))
+
+    def phase(kernel: dict) -> str:
+        at = launch.get(kernel.get("args", {}).get("correlation"))
+        if at is None:
+            return "(none)"
+        inside = [r for r in ranges.get(at[0], ()) if r[0] <= at[1] <= r[1]]
+        if not inside:  # autograd launches the backward's kernels from its own thread
+            inside = [r for rs in ranges.values() for r in rs if r[0] <= at[1] <= r[1]]
+        return min(inside, key=lambda r: r[1] - r[0])[2] if inside else "(none)"
+
+    return phase
+
+
 def summarize(trace: dict, iters: int = 1) -> dict:
     events = [
         e
@@ -30,15 +65,24 @@ def summarize(trace: dict, iters: int = 1) -> dict:
     ]
     if not events:
         raise ValueError("no GPU kernel events in the trace (was it taken on a GPU?)")
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
-    busy, cur_s, cur_e = 0.0, *spans[0]
-    for s, e in spans[1:]:
+    order = sorted(events, key=lambda e: float(e["ts"]))
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in order]
+    busy, cur_s, cur_e, last = 0.0, *spans[0], order[0]
+    gaps = []  # (start, length, kernel before, kernel after)
+    for ev, (s, e) in zip(order[1:], spans[1:], strict=True):
         if s > cur_e:
-            busy, cur_s, cur_e = busy + (cur_e - cur_s), s, e
-        else:
-            cur_e = max(cur_e, e)
+            busy, cur_s = busy + (cur_e - cur_s), s
+            gaps.append((cur_e, s - cur_e, last, ev))
+        if e >= cur_e:
+            cur_e, last = e, ev
     busy += cur_e - cur_s
     span = spans[-1][1] - spans[0][0]
+    phase = _phases(trace)
+    by_phase: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for g in gaps:
+        row = by_phase[phase(g[3])]
+        row[0] += g[1]
+        row[1] += 1
     by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         row = by_name[e["name"]]
@@ -51,6 +95,20 @@ def summarize(trace: dict, iters: int = 1) -> dict:
         "span_ms": span / 1e3 / iters,
         "busy_ms": busy / 1e3 / iters,
         "idle_share": 1.0 - busy / span if span else 0.0,
+        "idle_by_phase": {
+            k: {"ms_per_iter": v[0] / 1e3 / iters, "gaps_per_iter": v[1] / iters}
+            for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1][0])
+        },
+        "gaps": [
+            {
+                "at_ms": (start - spans[0][0]) / 1e3,
+                "ms": length / 1e3,
+                "phase": phase(after),
+                "before": before["name"],
+                "after": after["name"],
+            }
+            for start, length, before, after in sorted(gaps, key=lambda g: -g[1])[:100]
+        ],
         "kernels": [
             {
                 "name": name,
@@ -68,6 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("trace", help="profile_rank0.json of a --profile run")
     ap.add_argument("--iters", type=int, default=1, help="iterations the trace holds")
     ap.add_argument("--top", type=int, default=25, help="kernel rows to print")
+    ap.add_argument("--gaps", type=int, default=10, help="longest idle gaps to print")
     ap.add_argument("--json", help="write the summary here too")
     a = ap.parse_args(argv)
     if a.iters < 1:
@@ -78,6 +137,13 @@ def main(argv=None) -> None:
         f"per iteration: GPU span {s['span_ms']:.1f} ms, busy {s['busy_ms']:.1f} ms, "
         f"idle {100 * s['idle_share']:.1f} %"
     )
+    for name, v in s["idle_by_phase"].items():
+        print(f"  idle {v['ms_per_iter']:7.2f} ms/iter in {v['gaps_per_iter']:6.0f} gaps: {name}")
+    for g in s["gaps"][: a.gaps]:
+        print(
+            f"  gap {g['ms']:7.3f} ms at {g['at_ms']:8.2f} ms ({g['phase']}): "
+            f"{g['before'][:50]} -> {g['after'][:50]}"
+        )
     print(f"{'ms/iter':>9} {'calls':>7} {'share':>6}  kernel")
     for k in s["kernels"][: a.top]:
         print(

@@ -53,3 +53,52 @@ def test_busy_idle_and_rows(tmp_path, capsys):
 def test_no_gpu_events_is_one_line():
     with pytest.raises(ValueError, match="no GPU kernel events"):
         _load().summarize({"traceEvents": [_ev("x", 0, 1, cat="cpu_op")]})
+
+
+def _launch(corr, ts, tid=1):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2,
+            "tid": tid, "args": {"correlation": corr}}  # fmt: skip
+
+
+def _range(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_idle_gaps_charged_to_the_launching_phase(capsys, tmp_path):
+    """Each gap goes to the innermost range around the launch of the kernel that ends it: on the
+    launching thread, else (autograd's own thread) on any thread."""
+    ts = _load()
+
+    def k(name, t, dur, corr):
+        return {**_ev(name, t, dur), "args": {"correlation": corr}}
+
+    trace = {
+        "traceEvents": [
+            _range("megafp8.forward", 0, 300),
+            _range("inner", 150, 20),  # innermost around the launch at 160
+            _range("megafp8.backward", 300, 500),  # main thread waits; autograd (tid 2) launches
+            _range("megafp8.step", 800, 400),
+            k("a", 0, 100, 1), _launch(1, 0),
+            k("b", 130, 70, 2), _launch(2, 160),  # gap 100..130 (30): inner
+            k("c", 200, 50, 3), _launch(3, 190),  # no gap
+            k("d", 400, 100, 4), _launch(4, 390, tid=2),  # gap 250..400 (150): backward
+            k("e", 460, 20, 5), _launch(5, 450, tid=2),  # inside d: no gap
+            k("f", 900, 100, 6), _launch(6, 890),  # gap 500..900 (400): step
+            k("g", 1010, 10, 7),  # gap 1000..1010 (10): launch unknown -> (none)
+        ]
+    }  # fmt: skip
+    s = ts.summarize(trace)
+    by = {n: v["ms_per_iter"] for n, v in s["idle_by_phase"].items()}
+    assert by == pytest.approx({"megafp8.step": 0.4, "megafp8.backward": 0.15, "inner": 0.03,
+                                "(none)": 0.01})  # fmt: skip
+    assert list(s["idle_by_phase"])[0] == "megafp8.step"  # largest first
+    assert s["idle_share"] == pytest.approx(590 / 1020)
+    g = s["gaps"][0]
+    assert (g["at_ms"], g["ms"]) == pytest.approx((0.5, 0.4))
+    assert (g["phase"], g["before"], g["after"]) == ("megafp8.step", "d", "f")
+    assert [x["after"] for x in s["gaps"]] == ["f", "d", "b", "g"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    ts.main([str(path), "--gaps", "2"])
+    out = capsys.readouterr().out
+    assert "megafp8.step" in out and out.count("  gap ") == 2

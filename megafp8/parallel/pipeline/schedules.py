@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megafp8.parallel.pipeline import p2p
 
@@ -85,17 +86,19 @@ def no_pipelining(run, train_iter, hooks=None) -> tuple[float, float | None]:
         batches = [to_device(next(train_iter), run.device) for _ in range(gas)]
         weights, counts, n_total = _token_weights(batches, run.groups, gas)
     for i in range(gas):
-        b = batches[i] if per_token else to_device(next(train_iter), run.device)
+        with record_function("megafp8.data"):
+            b = batches[i] if per_token else to_device(next(train_iter), run.device)
         run.backend.microbatch(i)
-        with run.backend.autocast():
+        with record_function("megafp8.forward"), run.backend.autocast():
             loss = eng(b["tokens"], b["labels"], b["loss_mask"])
+        with record_function("megafp8.backward"):
+            eng.backward(loss * weights[i] if per_token else loss)
         if per_token:
-            eng.backward(loss * weights[i])
             total += loss.detach().float() * counts[i]
         else:
-            eng.backward(loss)
             total += loss.detach().float()
-        run.backend.update()
+        with record_function("megafp8.fp8-update"):
+            run.backend.update()
         if i < gas - 1:  # the boundary's step waits for the loss
             eng.step()
             if hooks is not None:
@@ -114,7 +117,8 @@ def boundary_step(run, loss: float, hooks=None) -> float | None:
     policy = getattr(run, "policy", None)
     if policy is not None:
         policy.before_step(loss)
-    run.engine.step()
+    with record_function("megafp8.step"):
+        run.engine.step()
     gn = run.engine.get_global_grad_norm()
     gn = float(gn) if gn is not None else None
     if policy is not None:
