@@ -195,6 +195,9 @@ class Fp8Config:
     te_fused_norm: bool = _f(True, "te backend: norms fused into the next GEMM (not under SP)")
     te_fused_mlp: bool = _f(True, "te backend, fused norm: each MLP as one te.LayerNormMLP")
     te_weight_cache: bool = _f(True, "te backend: weights cast to FP8 once per iteration")
+    gradient_accumulation_fusion: bool = _f(
+        True, "te backend, ZeRO-1: weight gradients accumulate inside their wgrad GEMM"
+    )
     first_last_layers_bf16: bool = _f(False, "keep the first and last blocks out of FP8")
     num_layers_at_start_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the start")
     num_layers_at_end_in_bf16: int = _f(1, "with first_last_layers_bf16: blocks at the end")

@@ -69,9 +69,6 @@ TABLE = [
     # accepted, no effect here
     _f("use-mcore-models", "switch", "notice", "the only model here"),
     _f(
-        "no-gradient-accumulation-fusion", "switch", "notice", "DeepSpeed accumulates the gradients"
-    ),
-    _f(
         "fp8-param-gather",
         "switch",
         "notice",

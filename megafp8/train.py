@@ -29,7 +29,7 @@ from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
 from megafp8.model.moe import moe_metrics, update_expert_bias
 from megafp8.optim.experts import expert_files, load_experts
 from megafp8.optim.schedule import learning_rate
-from megafp8.optim.zero import StepPolicy, build_engine, set_lr
+from megafp8.optim.zero import StepPolicy, build_engine, set_lr, wgrad_fusion
 from megafp8.parallel.groups import ParallelGroups
 from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
 from megafp8.parallel.random import model_parallel_seed
@@ -131,6 +131,7 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         expert_amax_group=groups.tp_edp_group,
         tp_group=groups.tp_group,
         attention_backend=cfg.model.attention_backend,
+        wgrad_fusion=wgrad_fusion(cfg),
     )
     model = build_model(
         cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng

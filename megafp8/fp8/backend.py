@@ -258,6 +258,9 @@ class Backend:
         """Before each micro-batch's forward: its index within the iteration (``None`` outside
         training, e.g. evaluation)."""
 
+    def release_main_grads(self) -> None:
+        """At the accumulation boundary, before the optimizer step: the backward is over."""
+
     def update(self, roles: tuple[str, ...] | None = None) -> None:
         """After each micro-batch's forward + backward; under pipelining, after each forward
         (``roles=("x", "w")``) and after each backward (``roles=("g",)``)."""
@@ -373,12 +376,20 @@ def resolve_backend_name(f) -> str:
 
 
 def build_backend(
-    f, *, amax_group, tp_group, attention_backend: str = "auto", expert_amax_group=None
+    f,
+    *,
+    amax_group,
+    tp_group,
+    attention_backend: str = "auto",
+    expert_amax_group=None,
+    wgrad_fusion: bool = False,
 ) -> Backend:
     """From an ``Fp8Config``. ``amax_group``: every rank holding a shard or replica of the same
     tensors (TP x DP), over which FP8 amaxes are reduced; ``expert_amax_group``: the same for the
     routed experts (TP x expert-DP; default ``amax_group``); ``tp_group``: this rank's TP group.
-    ``attention_backend`` (Megatron's flag) picks the te backend's attention kernels."""
+    ``attention_backend`` (Megatron's flag) picks the te backend's attention kernels;
+    ``wgrad_fusion`` (``optim.zero.wgrad_fusion``): the te backend's weight gradients accumulate
+    inside their wgrad GEMM."""
     from megafp8.fp8.recipe import Fp8Recipe
 
     name = resolve_backend_name(f)
@@ -396,6 +407,7 @@ def build_backend(
             fused_mlp=f.te_fused_mlp,
             attention_backend=attention_backend,
             weight_cache=f.te_weight_cache,
+            wgrad_fusion=wgrad_fusion,
         )
     if name == "torch" and recipe is not None:
         from megafp8.fp8.torch_backend import TorchBackend

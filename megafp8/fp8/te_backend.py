@@ -54,6 +54,7 @@ class TEBackend(Backend):
         fused_mlp: bool = False,
         attention_backend: str = "auto",
         weight_cache: bool = True,
+        wgrad_fusion: bool = False,
     ):
         import transformer_engine.common.recipe as ter
         import transformer_engine.pytorch as te
@@ -76,6 +77,7 @@ class TEBackend(Backend):
         # the others reuse the cast (TE's ``is_first_microbatch``); None (eval) casts every time.
         self.cache = WeightCache()
         self.weight_cache = weight_cache
+        self.wgrad_fusion = wgrad_fusion  # optim/zero.py: wgrad_fusion
         if recipe is not None:
             fmt = ter.Format.HYBRID if recipe.fp8_format == "hybrid" else ter.Format.E4M3
             if recipe.recipe == "delayed":
@@ -106,6 +108,7 @@ class TEBackend(Backend):
             norm=norm,
             zero_centered_gamma=zc,
             cache=self.cache,
+            fuse_wgrad=self.wgrad_fusion,
         )
 
     def make_linear(
@@ -257,6 +260,9 @@ class TEBackend(Backend):
         return self.te.checkpoint(
             fn, *args, use_reentrant=False, context_fn=self._context_fn(contexts)
         )
+
+    def release_main_grads(self) -> None:
+        self.cache.release()
 
     def microbatch(self, index: int | None) -> None:
         self.cache.first = None if index is None or not self.weight_cache else index == 0

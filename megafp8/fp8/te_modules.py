@@ -13,10 +13,41 @@ from megafp8.parallel.layers import allreduce_grad_hook, full_normal, mark_full,
 
 class WeightCache:
     """Shared by a TE backend's modules: ``first`` is TE's ``is_first_microbatch`` (True: cast
-    the weights to FP8 and keep them; False: reuse the kept cast; None: no cache)."""
+    the weights to FP8 and keep them; False: reuse the kept cast; None: no cache).
+
+    ``fused``: the weights whose gradients accumulate inside their wgrad GEMM (``wgrad_fusion``
+    in optim/zero.py). TE writes the GEMM's output into ``weight.main_grad`` (overwriting on the
+    first micro-batch, adding on the others) and hands autograd no gradient for the weight; here
+    ``main_grad`` is the parameter's ``.grad`` itself, made (zeros) at the forward when there is
+    none, so DeepSpeed finds the sum where it looks. ``release()`` drops the second reference
+    once the backward is over, so the buffer is freed when DeepSpeed lets go of ``.grad``."""
 
     def __init__(self):
         self.first: bool | None = None
+        self.fused: list[nn.Parameter] = []
+
+    def main_grads(self, params) -> None:
+        if torch.is_grad_enabled():
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.main_grad = p.grad
+
+    def release(self) -> None:
+        for p in self.fused:
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+
+
+def _fuse_wgrad(cache: WeightCache, inner, params) -> bool:
+    """At the first forward: keep the fusion only for weights that no gradient hook of ours
+    watches (``allreduce_grad_hook`` marks them ``sequence_parallel``: a hook needs autograd's
+    gradient, which a fused weight never gets)."""
+    if any(getattr(p, "sequence_parallel", False) for p in params):
+        inner.fuse_wgrad_accumulation = False
+        return False
+    cache.fused.extend(params)
+    return True
 
 
 class TELinear(nn.Module):
@@ -38,11 +69,17 @@ class TELinear(nn.Module):
         norm=None,
         zero_centered_gamma=False,
         cache=None,
+        fuse_wgrad=False,
     ):
         super().__init__()
         self.fp8, self.te, self.cache = fp8, te, cache or WeightCache()
+        self.fuse_wgrad: bool | None = None if fuse_wgrad else False  # None: decided at forward
         kw = dict(
-            bias=bias, params_dtype=dtype, device=device or "cuda", init_method=lambda w: None
+            bias=bias,
+            params_dtype=dtype,
+            device=device or "cuda",
+            init_method=lambda w: None,
+            fuse_wgrad_accumulation=fuse_wgrad,
         )
         if norm is None:
             self.inner = te.Linear(in_features, out_features, **kw)
@@ -64,6 +101,10 @@ class TELinear(nn.Module):
         return [p for n in names if isinstance(p := getattr(self.inner, n, None), nn.Parameter)]
 
     def forward(self, x):  # [..., in] -> [..., out]
+        if self.fuse_wgrad is None:
+            self.fuse_wgrad = _fuse_wgrad(self.cache, self.inner, [self.weight])
+        if self.fuse_wgrad:
+            self.cache.main_grads([self.weight])
         if self.fp8:
             return self.inner(x, is_first_microbatch=self.cache.first)
         with self.te.autocast(enabled=False):
@@ -96,7 +137,9 @@ class TEFusedMLP(nn.Module):
             device=device or "cuda",
             init_method=lambda w: None,
             output_layer_init_method=lambda w: None,
+            fuse_wgrad_accumulation=backend.wgrad_fusion,
         )
+        self.fuse_wgrad: bool | None = None if backend.wgrad_fusion else False
         name = f"layers.{layer}.mlp"
         rows = torch.arange(r * n, (r + 1) * n)
         if m.swiglu:  # [gate; up]: this rank's chunk of both
@@ -136,6 +179,11 @@ class TEFusedMLP(nn.Module):
                 mark_full(p, f"{name}.fc1.linear.inner.{pname}")
 
     def forward(self, x):  # x: [s, b, h] -> [s, b, h]
+        weights = [self.inner.fc1_weight, self.inner.fc2_weight]
+        if self.fuse_wgrad is None:
+            self.fuse_wgrad = _fuse_wgrad(self.cache, self.inner, weights)
+        if self.fuse_wgrad:
+            self.cache.main_grads(weights)
         x = M.copy_to_tensor_parallel_region(x, self.tp_group)
         if self.fp8:
             y, bias = self.inner(x, is_first_microbatch=self.cache.first)

@@ -365,3 +365,55 @@ def test_te_grouped_experts_equal_the_loop_in_bf16():
     for i, e in enumerate(loop.experts):
         torch.testing.assert_close(grouped.experts.fc1.weights[i].grad, e.fc1.weight.grad,
                                    rtol=3e-2, atol=3e-3)  # fmt: skip
+
+
+def _accumulated_grads(cfg, fused: bool, micro: int = 4):
+    """``micro`` micro-batches' gradients of a tiny GPT on the te backend, summed the way a
+    training iteration sums them; and how many weights accumulated inside their wgrad GEMM."""
+    from megafp8.fp8.backend import build_backend
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+
+    torch.cuda.set_device(0)
+    groups = ParallelGroups.single()
+    be = build_backend(cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group,
+                       wgrad_fusion=fused)  # fmt: skip
+    model = GPTModel(cfg, backend=be, groups=groups, vocab_size=256, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (micro, 2, cfg.model.seq_length + 1), generator=g).cuda()
+    for i in range(micro):
+        be.microbatch(i)
+        with be.autocast():
+            loss = model(tokens[i, :, :-1], tokens[i, :, 1:], None)
+        (loss / micro).backward()
+        be.update()
+    n_fused = len(be.cache.fused)
+    be.release_main_grads()
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())
+    return {n: p.grad.float().cpu() for n, p in model.named_parameters()}, n_fused
+
+
+@cuda
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_te_wgrad_fusion_equals_autograd_accumulation(fp8):
+    """With ``wgrad_fusion`` every block's weights (qkv, proj, the fused MLP's fc1 and fc2)
+    accumulate their 4 micro-batches' gradients inside TE's wgrad GEMM, into ``.grad`` itself:
+    the sums equal autograd's accumulation to bf16 rounding (the GEMM adds in fp32 and rounds
+    once, autograd rounds each micro-batch's gradient and then the sum). Overwriting on every
+    micro-batch would leave a quarter; never overwriting on the first would add stale values."""
+    _te()
+    from tests.helpers.dist import run_distributed
+    from tests.helpers.tiny import tiny_config
+
+    cfg = tiny_config(
+        model=dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64),
+        train=dict(micro_batch_size=2, bf16=True),
+        fp8=dict(fp8_format=fp8, fp8_backend="te", fp8_amax_history_len=4),
+    )
+    ref, n_ref = run_distributed(_accumulated_grads, 1, cfg, False)[0]
+    got, n_got = run_distributed(_accumulated_grads, 1, cfg, True)[0]
+    assert n_ref == 0 and n_got == 4 * cfg.model.num_layers
+    assert set(got) == set(ref)
+    for name, g in got.items():
+        rel = ((g - ref[name]).norm() / ref[name].norm()).item()
+        assert rel < 1e-2, (name, rel)

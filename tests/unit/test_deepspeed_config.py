@@ -166,3 +166,28 @@ def test_bf16_gradients_are_reduced_in_fp32_unless_asked():
     assert got["bf16"] and got["comm"] == "torch.float32"
     cfg = cfg.replace(optim=dict(grad_reduce_in_bf16=True))
     assert run_distributed(_engine_settings, 2, cfg)[0]["comm"] == "torch.bfloat16"
+
+
+@pytest.mark.parametrize(
+    "flags,fused",
+    [
+        ("", True),  # ZeRO-1, the default: DeepSpeed reads .grad at the boundary only
+        ("--no-gradient-accumulation-fusion", False),  # Megatron's flag, its meaning
+        ("--zero-stage 2", False),  # reduces inside its gradient hooks
+        ("--zero-stage 0", False),
+        ("--overlap-grad-reduce", False),
+        ("--bf16 --accumulate-allreduce-grads-in-fp32", False),  # BF16_Optimizer's hooks add
+        ("--bf16", True),
+        ("--pipeline-model-parallel-size 2", True),
+        ("--pipeline-model-parallel-size 2 --recompute-granularity selective", False),
+        ("--recompute-granularity selective", True),
+    ],
+)
+def test_wgrad_fusion_where_deepspeed_reads_grad_once(flags, fused):
+    from megafp8.cli import parse_args
+    from megafp8.optim.zero import wgrad_fusion
+
+    notices: list[str] = []
+    cfg = parse_args(["--mock-data", *flags.split()], notices)
+    assert notices == []  # a real flag now, not "no effect"
+    assert wgrad_fusion(cfg) is fused

@@ -117,6 +117,7 @@ def boundary_step(run, loss: float, hooks=None) -> float | None:
     policy = getattr(run, "policy", None)
     if policy is not None:
         policy.before_step(loss)
+    run.backend.release_main_grads()  # fused wgrad accumulation: .grad is DeepSpeed's alone
     with record_function("megafp8.step"):
         run.engine.step()
     gn = run.engine.get_global_grad_norm()
