@@ -62,7 +62,11 @@ def deepspeed_config(cfg, dp: int) -> dict:
         "gradient_accumulation_steps": gbs // (t.micro_batch_size * dp),
         "gradient_clipping": o.clip_grad,
         "zero_optimization": zero,
-        "bf16": {"enabled": bool(t.bf16)},
+        # ZeRO 1/2 in bf16: no per-gradient overflow scan (StepGuard.norm_of skips on the norm)
+        "bf16": {
+            "enabled": bool(t.bf16),
+            **({"check_grad_overflow": False} if norm_skip(cfg) else {}),
+        },
         # DeepSpeed reduces bf16 gradients in bf16 unless told; Megatron reduces in fp32 unless
         # --grad-reduce-in-bf16. One DP rank reduces nothing: no fp32 round trip there.
         **(
@@ -80,6 +84,18 @@ def deepspeed_config(cfg, dp: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def norm_skip(cfg) -> bool:
+    """Whether a non-finite gradient is caught by the global gradient norm alone (``StepGuard``
+    ``norm_of``) instead of DeepSpeed's bf16 overflow check. That check scans every gradient
+    (amax, amin, isfinite: ~8 kernel launches each) and waits for the GPU (``.item()``) before
+    each step; the norm DeepSpeed computes anyway is NaN or inf exactly when a gradient is.
+    ZeRO 1/2 in bf16 without fp32 accumulation (DeepSpeedZeroOptimizer: the check's owner)."""
+    o = cfg.optim
+    return bool(
+        cfg.train.bf16 and o.zero_stage in (1, 2) and not o.accumulate_allreduce_grads_in_fp32
+    )
 
 
 def wgrad_fusion(cfg) -> bool:
@@ -190,6 +206,8 @@ def build_engine(model, cfg, groups):
         )
     if o.zero_stage == 0 and not cfg.train.bf16 and cfg.train.check_for_nan_in_loss_and_grad:
         guard.check_grads = True  # the one layout where DeepSpeed steps on non-finite gradients
+    if norm_skip(cfg):  # set by DeepSpeed's ZeRO 1/2 step before it steps the groups
+        guard.norm_of = lambda: getattr(engine.optimizer, "_global_grad_norm", None)
     return engine
 
 
@@ -210,14 +228,38 @@ class StepGuard:
     ``check_grads`` (ZeRO 0 in fp32, the one layout where DeepSpeed applies an update whose
     gradients are not finite; its ZeRO 1-3 and bf16 optimizers skip such a step themselves):
     one MAX all-reduce over every rank of a "some local gradient is NaN or inf" flag, so all
-    ranks withhold the update together; the result is in ``nonfinite_grad``."""
+    ranks withhold the update together; the result is in ``nonfinite_grad``.
+
+    ``norm_of`` (``norm_skip``: ZeRO 1/2 in bf16, DeepSpeed's overflow check off): returns the
+    step's global gradient norm (a tensor, the same on every rank), and a non-finite one
+    withholds the update. A fused AdamW gets it as ``found_inf`` and skips on the GPU, without
+    waiting for it; another reads it on the host (``nonfinite_grad``)."""
 
     def __init__(self, opt: torch.optim.Optimizer):
         self.opt, self._step = opt, opt.step
         self.skip = self.check_grads = self.nonfinite_grad = False
+        self.norm_of = None
+        self._found: tuple = (None, None)  # (the norm, its found_inf), once per step
         opt.step, opt.step_guard = self.step, self
 
+    def _found_inf(self):
+        norm = self.norm_of()
+        if not torch.is_tensor(norm):
+            return None
+        if self._found[0] is not norm:
+            self._found = (norm, (~torch.isfinite(norm)).float().reshape(()))
+        return self._found[1]
+
     def step(self, closure=None):
+        found = self._found_inf() if self.norm_of is not None and not self.skip else None
+        if found is not None:
+            if self.opt.defaults.get("fused"):
+                self.opt.found_inf = found  # the fused kernel leaves everything as it was
+                try:
+                    return self._step(closure)
+                finally:
+                    self.opt.found_inf = None
+            self.nonfinite_grad = bool(found)
         if self.check_grads:
             groups = self.opt.param_groups
             grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
@@ -281,13 +323,12 @@ class StepPolicy:
     def after_step(self, loss: float, grad_norm: float | None) -> dict:
         opt = self.opt
         bad_loss = self.check_nan and not math.isfinite(loss)
-        bad_grad = self.check_nan and (
-            (grad_norm is not None and not math.isfinite(grad_norm))
-            or (opt is not None and opt.nonfinite_grad)
-        )
-        skipped = (opt is not None and (opt.skip or opt.nonfinite_grad)) or (
-            getattr(self.engine, "skipped_steps", 0) > self._ds_skipped
-        )
+        bad_norm = grad_norm is not None and not math.isfinite(grad_norm)
+        bad_grad = self.check_nan and (bad_norm or (opt is not None and opt.nonfinite_grad))
+        skipped = (
+            opt is not None
+            and (opt.skip or opt.nonfinite_grad or (opt.norm_of is not None and bad_norm))
+        ) or (getattr(self.engine, "skipped_steps", 0) > self._ds_skipped)
         if opt is not None:
             opt.skip = opt.nonfinite_grad = False
         what = f"lm loss is {loss}" if bad_loss else f"grad norm is {grad_norm}" if bad_grad else ""

@@ -45,11 +45,12 @@ def test_nan_on_one_rank_and_spike_are_skipped(zero):
     assert "lm loss: NAN |" in [x for x in lines if x.startswith(" iteration        3/")][0]
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_nan_gradient_with_a_finite_loss_is_skipped(zero):
+@pytest.mark.parametrize("zero,bf16", [(0, False), (1, False), (1, True), (2, True)])
+def test_nan_gradient_with_a_finite_loss_is_skipped(zero, bf16):
     """The grad norm is only known inside the step: DeepSpeed's ZeRO skips a non-finite one
-    itself, and at ZeRO 0 in fp32 the optimizer checks the gradients over every rank."""
-    cfg = _cfg(zero, nan_policy="skip")
+    itself in fp32, at ZeRO 0 in fp32 the optimizer checks the gradients over every rank, and
+    at ZeRO 1/2 in bf16 (DeepSpeed's overflow scan off) the optimizer skips on the norm."""
+    cfg = _cfg(zero, nan_policy="skip", bf16=bf16)
     got = run_distributed(train_injected, 2, cfg, {2: "nangrad"}, 0)
     for _, unchanged, _, err in got:
         assert err is None
@@ -66,3 +67,53 @@ def test_no_exit_on_nan_is_skip():
     cfg = _cfg(exit_on_nan=False)
     _, unchanged, _, err = run_distributed(train_injected, 1, cfg, {2: "nan"})[0]
     assert err is None and unchanged[2] and not unchanged[3]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_norm_skip_withholds_the_update(fused):
+    """StepGuard.norm_of: a NaN or inf global norm leaves the weights, both moments and the step
+    count as they were (fused AdamW: through ``found_inf``, without reading the norm on the
+    host; otherwise read on the host); a finite one steps; nothing stays set afterwards."""
+    import torch
+
+    from megafp8.optim.zero import StepGuard
+
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=fused)
+    guard = StepGuard(opt)
+    norm = {}
+    guard.norm_of = lambda: norm["v"]
+    p.grad, norm["v"] = torch.full((8,), 0.5), torch.tensor(1.0)
+    opt.step()  # the state exists from here
+    for bad in (float("nan"), float("inf")):
+        p.grad = torch.full((8,), 0.5)
+        norm["v"] = torch.tensor(bad)
+        before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+        opt.step()
+        assert torch.equal(p, before[0]), bad
+        assert all(torch.equal(v, before[1][k]) for k, v in opt.state[p].items()), bad
+        assert getattr(opt, "found_inf", None) is None
+        guard.nonfinite_grad = False  # StepPolicy.before_step's reset
+    norm["v"], before = torch.tensor(1.0), p.detach().clone()
+    opt.step()
+    assert (p < before).all() and float(opt.state[p]["step"]) == 2.0
+
+
+def test_norm_skip_counts_the_skip():
+    """On the fused path nothing is read on the host inside the step: the policy learns of the
+    withheld update from the non-finite grad norm the step reports."""
+    import types
+
+    import torch
+
+    from megafp8.optim.zero import StepGuard, StepPolicy
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
+    guard = StepGuard(opt)
+    policy = StepPolicy(_cfg(nan_policy="skip").train, types.SimpleNamespace(optimizer=opt))
+    for norm_of, gn, want in [(None, float("inf"), False), (lambda: None, float("inf"), True),
+                              (lambda: None, 1.0, False)]:  # fmt: skip
+        guard.norm_of = norm_of
+        policy.before_step(2.0)
+        v = policy.after_step(2.0, gn)
+        assert (v["skipped"], v["nan"]) == (want, gn != 1.0), norm_of

@@ -48,7 +48,8 @@ def test_config_dict(micro, gbs, dp, stage, clip, bf16, gas, zero):
     assert d["train_batch_size"] == micro * gas * dp
     assert d["gradient_clipping"] == clip
     assert d["zero_optimization"] == zero
-    assert d["bf16"] == {"enabled": bf16}
+    # ZeRO 1/2 in bf16: the norm decides a skip (test_norm_skip_rule), not DeepSpeed's scan
+    assert d["bf16"] == {"enabled": bf16, **({"check_grad_overflow": False} if bf16 else {})}
     assert "fp16" not in d  # fp32 unless bf16: never DeepSpeed's loss-scaled fp16
     assert "optimizer" not in d and d["zero_allow_untested_optimizer"] is True  # client AdamW
 
@@ -191,3 +192,25 @@ def test_wgrad_fusion_where_deepspeed_reads_grad_once(flags, fused):
     cfg = parse_args(["--mock-data", *flags.split()], notices)
     assert notices == []  # a real flag now, not "no effect"
     assert wgrad_fusion(cfg) is fused
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        ("--bf16", True),  # ZeRO-1: DeepSpeedZeroOptimizer, the norm decides
+        ("--bf16 --zero-stage 2", True),
+        ("--bf16 --zero-stage 3", False),  # its own optimizer, its own check
+        ("--bf16 --zero-stage 0", False),  # BF16_Optimizer
+        ("--bf16 --accumulate-allreduce-grads-in-fp32", False),  # BF16_Optimizer
+        ("", False),  # fp32: DeepSpeed checks the norm itself
+    ],
+)
+def test_norm_skip_rule(flags, want):
+    """ZeRO 1/2 in bf16 turn DeepSpeed's per-gradient overflow scan off (StepGuard.norm_of
+    skips a non-finite norm instead); elsewhere the config keeps DeepSpeed's default."""
+    from megafp8.cli import parse_args
+    from megafp8.optim.zero import deepspeed_config, norm_skip
+
+    cfg = parse_args(flags.split())
+    assert norm_skip(cfg) is want
+    assert deepspeed_config(cfg, 1)["bf16"].get("check_grad_overflow", True) is not want
