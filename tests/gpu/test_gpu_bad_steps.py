@@ -3,6 +3,8 @@ the fused AdamW skips the update on the GPU through ``found_inf`` (optim/zero.py
 weights, ZeRO's fp32 partitions, both moments and the step counts stay bit-identical across the
 bad iteration, which is counted as skipped and nan; the iterations around it train."""
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,12 @@ from tests.unit.bad_steps_util import train_injected
 pytestmark = pytest.mark.gpu
 
 
+def _on_cuda(cfg, inject):
+    """run_distributed's workers name DeepSpeed's CPU accelerator; this one trains on the GPU."""
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    return train_injected(cfg, inject)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("zero", [1, 2])
 def test_nan_gradient_skipped_by_the_fused_optimizer(zero):
@@ -21,7 +29,7 @@ def test_nan_gradient_skipped_by_the_fused_optimizer(zero):
                    nan_policy="skip"),
         optim=dict(zero_stage=zero),
     )  # fmt: skip
-    hist, unchanged, lines, err = run_distributed(train_injected, 1, cfg, {2: "nangrad"})[0]
+    hist, unchanged, lines, err = run_distributed(_on_cuda, 1, cfg, {2: "nangrad"})[0]
     assert err is None
     assert unchanged == {1: False, 2: True, 3: False, 4: False}
     assert [r["skipped"] for r in hist] == [False, True, False, False]
