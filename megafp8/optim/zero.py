@@ -83,6 +83,9 @@ def deepspeed_config(cfg, dp: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer waits for the device at every forward and step (each
+        # micro-batch then starts from an empty GPU queue); the training loop times iterations
+        "timers": {"throughput": {"enabled": False}},
     }
 
 

@@ -214,3 +214,38 @@ def test_norm_skip_rule(flags, want):
     cfg = parse_args(flags.split())
     assert norm_skip(cfg) is want
     assert deepspeed_config(cfg, 1)["bf16"].get("check_grad_overflow", True) is not want
+
+
+def _device_waits(cfg):
+    """Train; every stack that asks DeepSpeed's accelerator to wait for the device."""
+    import traceback
+
+    from deepspeed.accelerator import get_accelerator
+
+    from tests.helpers.tiny import train_losses
+
+    cls = type(get_accelerator())
+    orig, calls = cls.synchronize, []
+
+    def synchronize(self, *args, **kwargs):
+        calls.append("".join(traceback.format_stack(limit=6)[:-1]))
+        return orig(self, *args, **kwargs)
+
+    cls.synchronize = synchronize
+    try:
+        train_losses(cfg)
+    finally:
+        cls.synchronize = orig
+    return calls
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_training_never_waits_for_the_device(stage):
+    """No device wait inside DeepSpeed during training (its throughput timer would wait at every
+    forward and step: each micro-batch's launches would start from an empty GPU queue)."""
+    cfg = tiny_config(
+        train=dict(train_iters=5, micro_batch_size=2, global_batch_size=8),
+        optim=dict(zero_stage=stage),
+    )
+    calls = run_distributed(_device_waits, 1, cfg)[0]
+    assert not calls, f"{len(calls)} device waits, the first from:\n{calls[0]}"
