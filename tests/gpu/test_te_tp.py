@@ -150,3 +150,48 @@ def test_te_backend_tp2_fp8_matches_one_process(fused_mlp):
         mean = sum(errs.values()) / len(errs)
         assert max(errs.values()) < 2 * max(floor.values()), (errs, floor)
         assert mean < 2 * sum(floor.values()) / len(floor), (errs, floor)
+
+
+def _forward_scales_alone(cfg, seed=None):
+    """Under pipeline parallelism alone (TP 1 x DP 1) each rank's amax group is itself: three FP8
+    iterations on this rank's own tokens (``seed``, default the rank), then every TE module's
+    forward scales."""
+    from megafp8.fp8.backend import build_backend
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+
+    torch.cuda.set_device(0)
+    world = torch.distributed.get_world_size()
+    seed = torch.distributed.get_rank() if seed is None else seed
+    amax_group = ParallelGroups.build(tp=1, pp=world).tp_dp_group  # one rank: this one
+    be = build_backend(cfg.fp8, amax_group=amax_group, tp_group=ParallelGroups.single().tp_group)
+    model = GPTModel(cfg, backend=be, groups=ParallelGroups.single(), vocab_size=256, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    # the ranks' inputs differ in scale too, so their activation amaxes cannot coincide
+    tokens = torch.randint(0, 256 >> seed, (b, s + 1), generator=g).cuda()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with be.autocast():
+            loss = model(tokens[:, :-1], tokens[:, 1:], None)
+        loss.backward()
+    return {
+        name: mod.fp8_meta["scaling_fwd"].scale.float().cpu()
+        for name, mod in model.named_modules()
+        if "scaling_fwd" in (getattr(mod, "fp8_meta", None) or {})
+    }
+
+
+def test_te_amax_group_of_one_rank_keeps_its_own_scales():
+    """Two processes whose amax groups are each one rank (as pipeline stages at TP 1 x DP 1 are)
+    keep the forward scales each has alone, bit for bit. TE reads an amax group of None as the
+    whole world: with its reduction left on, the two would share the larger amaxes."""
+    pytest.importorskip("transformer_engine.pytorch")
+    cfg = _cfg("hybrid", fused_mlp=True, bf16=False)
+    alone = [run_distributed(_forward_scales_alone, 1, cfg, seed)[0] for seed in (0, 1)]
+    both = run_distributed(_forward_scales_alone, 2, cfg)
+    assert any(not torch.equal(alone[0][k], alone[1][k]) for k in alone[0])  # a real difference
+    for rank, scales in enumerate(both):
+        assert sorted(scales) == sorted(alone[rank])
+        for key, v in scales.items():
+            assert torch.equal(v, alone[rank][key]), (rank, key, v, alone[rank][key])
