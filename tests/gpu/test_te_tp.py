@@ -48,14 +48,7 @@ def _loss_and_grads(cfg, tp, bump=False):
         with be.autocast():
             loss = model(tokens[:, :-1], tokens[:, 1:], None)
         loss.backward()
-        scales.append(
-            {
-                f"{name}/{key}": mod.fp8_meta[key].scale.float().cpu()
-                for name, mod in model.named_modules()
-                if "scaling_fwd" in (getattr(mod, "fp8_meta", None) or {})
-                for key in ("scaling_fwd", "scaling_bwd")
-            }
-        )
+        scales.append(_te_scales(model, ("scaling_fwd", "scaling_bwd")))
     out = {}
     for name, p in model.named_parameters():
         out[getattr(p, "full_name", name)] = (
@@ -64,6 +57,16 @@ def _loss_and_grads(cfg, tp, bump=False):
             getattr(p, "partition_dim", 0),
         )
     return loss.item(), out, scales
+
+
+def _te_scales(model, keys):
+    """``{"module/key": scale}`` of every TE module's FP8 scaling state ``keys``, on the host."""
+    return {
+        f"{name}/{key}": mod.fp8_meta[key].scale.float().cpu()
+        for name, mod in model.named_modules()
+        if "scaling_fwd" in (getattr(mod, "fp8_meta", None) or {})
+        for key in keys
+    }
 
 
 def _errors(grads, ref):
@@ -175,11 +178,7 @@ def _forward_scales_alone(cfg, seed=None):
         with be.autocast():
             loss = model(tokens[:, :-1], tokens[:, 1:], None)
         loss.backward()
-    return {
-        name: mod.fp8_meta["scaling_fwd"].scale.float().cpu()
-        for name, mod in model.named_modules()
-        if "scaling_fwd" in (getattr(mod, "fp8_meta", None) or {})
-    }
+    return _te_scales(model, ("scaling_fwd",))
 
 
 def test_te_amax_group_of_one_rank_keeps_its_own_scales():
