@@ -9,6 +9,7 @@ working directory). This reads its kernel, memcpy and memset events:
     python bench/trace_summary.py /tmp/tb/profile_rank0.json --top 30 --iters 2
 
 prints the GPU span, the busy and idle time (the union of the kernel intervals against the span),
+the kernel time each phase launched (``--phase megafp8.step`` lists that phase's top kernels),
 then one row per kernel name: ms per iteration (``--iters``: how many iterations the trace holds),
 calls per iteration and the share of busy time. ``--json F`` writes the same as JSON.
 
@@ -84,10 +85,16 @@ def summarize(trace: dict, iters: int = 1) -> dict:
         row[0] += g[1]
         row[1] += 1
     by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    work: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])  # kernel time per phase
+    per_phase: dict[str, dict] = collections.defaultdict(lambda: collections.defaultdict(float))
     for e in events:
         row = by_name[e["name"]]
         row[0] += float(e["dur"])
         row[1] += 1
+        ph = phase(e)
+        work[ph][0] += float(e["dur"])
+        work[ph][1] += 1
+        per_phase[ph][e["name"]] += float(e["dur"])
     total = sum(r[0] for r in by_name.values())
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {
@@ -98,6 +105,17 @@ def summarize(trace: dict, iters: int = 1) -> dict:
         "idle_by_phase": {
             k: {"ms_per_iter": v[0] / 1e3 / iters, "gaps_per_iter": v[1] / iters}
             for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1][0])
+        },
+        "work_by_phase": {
+            k: {
+                "ms_per_iter": v[0] / 1e3 / iters,
+                "kernels_per_iter": v[1] / iters,
+                "top": [
+                    {"name": n, "ms_per_iter": d / 1e3 / iters}
+                    for n, d in sorted(per_phase[k].items(), key=lambda kv: -kv[1])[:10]
+                ],
+            }
+            for k, v in sorted(work.items(), key=lambda kv: -kv[1][0])
         },
         "gaps": [
             {
@@ -128,6 +146,9 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=25, help="kernel rows to print")
     ap.add_argument("--gaps", type=int, default=10, help="longest idle gaps to print")
     ap.add_argument("--json", help="write the summary here too")
+    ap.add_argument(
+        "--phase", nargs="*", default=[], help="phases whose top kernels to print (megafp8.step)"
+    )
     a = ap.parse_args(argv)
     if a.iters < 1:
         ap.error(f"--iters {a.iters}: at least 1")
@@ -139,6 +160,12 @@ def main(argv=None) -> None:
     )
     for name, v in s["idle_by_phase"].items():
         print(f"  idle {v['ms_per_iter']:7.2f} ms/iter in {v['gaps_per_iter']:6.0f} gaps: {name}")
+    for name, v in s["work_by_phase"].items():
+        ms, n = v["ms_per_iter"], v["kernels_per_iter"]
+        print(f"  kernels {ms:7.2f} ms/iter, {n:6.0f} launched: {name}")
+        if name in a.phase:
+            for k in v["top"]:
+                print(f"      {k['ms_per_iter']:8.2f} ms  {k['name'][:110]}")
     for g in s["gaps"][: a.gaps]:
         print(
             f"  gap {g['ms']:7.3f} ms at {g['at_ms']:8.2f} ms ({g['phase']}): "

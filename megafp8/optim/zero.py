@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import global_batch_size
+from megafp8.optim import lean_step
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,7 @@ def build_engine(model, cfg, groups):
         guard.check_grads = True  # the one layout where DeepSpeed steps on non-finite gradients
     if norm_skip(cfg):  # set by DeepSpeed's ZeRO 1/2 step before it steps the groups
         guard.norm_of = lambda: getattr(engine.optimizer, "_global_grad_norm", None)
+    lean_step.install(engine.optimizer)  # ZeRO 1/2: norm and clip without host waits
     return engine
 
 
@@ -236,12 +238,16 @@ class StepGuard:
     ``norm_of`` (``norm_skip``: ZeRO 1/2 in bf16, DeepSpeed's overflow check off): returns the
     step's global gradient norm (a tensor, the same on every rank), and a non-finite one
     withholds the update. A fused AdamW gets it as ``found_inf`` and skips on the GPU, without
-    waiting for it; another reads it on the host (``nonfinite_grad``)."""
+    waiting for it; another reads it on the host (``nonfinite_grad``).
+
+    ``grad_scale`` (set by ``lean_step``'s clip before each group's step, fused AdamW only): the
+    fused kernel divides the gradients by it as it reads them, in place of a pass over them."""
 
     def __init__(self, opt: torch.optim.Optimizer):
         self.opt, self._step = opt, opt.step
         self.skip = self.check_grads = self.nonfinite_grad = False
         self.norm_of = None
+        self.grad_scale = None  # set by lean_step's clip for the next fused step, then cleared
         self._found: tuple = (None, None)  # (the norm, its found_inf), once per step
         opt.step, opt.step_guard = self.step, self
 
@@ -254,14 +260,10 @@ class StepGuard:
         return self._found[1]
 
     def step(self, closure=None):
+        scale, self.grad_scale = self.grad_scale, None
+        fused = bool(self.opt.defaults.get("fused"))
         found = self._found_inf() if self.norm_of is not None and not self.skip else None
-        if found is not None:
-            if self.opt.defaults.get("fused"):
-                self.opt.found_inf = found  # the fused kernel leaves everything as it was
-                try:
-                    return self._step(closure)
-                finally:
-                    self.opt.found_inf = None
+        if found is not None and not fused:
             self.nonfinite_grad = bool(found)
         if self.check_grads:
             groups = self.opt.param_groups
@@ -274,7 +276,15 @@ class StepGuard:
             self.nonfinite_grad = bool(bad)
         if self.skip or self.nonfinite_grad:
             return None
-        return self._step(closure)
+        if not fused or (found is None and scale is None):
+            return self._step(closure)
+        # the fused kernel divides the gradients by grad_scale and leaves everything as it was
+        # where found_inf is set
+        self.opt.found_inf, self.opt.grad_scale = found, scale
+        try:
+            return self._step(closure)
+        finally:
+            self.opt.found_inf = self.opt.grad_scale = None
 
 
 def step_guard(engine) -> StepGuard | None:

@@ -97,8 +97,19 @@ def test_idle_gaps_charged_to_the_launching_phase(capsys, tmp_path):
     assert (g["at_ms"], g["ms"]) == pytest.approx((0.5, 0.4))
     assert (g["phase"], g["before"], g["after"]) == ("megafp8.step", "d", "f")
     assert [x["after"] for x in s["gaps"]] == ["f", "d", "b", "g"]
+    # kernel time charged the same way: a (forward) 100, b (inner) 70, c (forward) 50, d and e
+    # (backward) 120, f (step) 100, g (none) 10
+    work = {n: v["ms_per_iter"] for n, v in s["work_by_phase"].items()}
+    assert work == pytest.approx({"megafp8.forward": 0.15, "megafp8.backward": 0.12,
+                                  "megafp8.step": 0.1, "inner": 0.07, "(none)": 0.01})  # fmt: skip
+    assert s["work_by_phase"]["megafp8.backward"]["top"] == [
+        {"name": "d", "ms_per_iter": pytest.approx(0.1)},
+        {"name": "e", "ms_per_iter": pytest.approx(0.02)},
+    ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
-    ts.main([str(path), "--gaps", "2"])
+    ts.main([str(path), "--gaps", "2", "--phase", "megafp8.backward"])
     out = capsys.readouterr().out
     assert "megafp8.step" in out and out.count("  gap ") == 2
+    assert "0.12 ms/iter,      2 launched: megafp8.backward" in out
+    assert out.count("      ") >= 2 and "ms  d" in out and "ms  e" in out

@@ -1,0 +1,111 @@
+"""DeepSpeed's ZeRO 1/2 step without host waits and without per-tensor fp64 copies.
+
+At the accumulation boundary DeepSpeed's ``DeepSpeedZeroOptimizer.step`` takes, for every
+optimizer group (``bound_groups`` makes ~30 on a 7B model), the L2 norm of each gradient by
+casting it to fp64 (a copy of 8 bytes per parameter, one norm kernel per tensor), builds a
+``-1`` tensor from host memory to mask a non-finite norm (a host-to-device copy from pageable
+memory, which waits for the GPU), and before clipping asks ``bool()`` whether the norm is valid
+(another wait). After each wait the GPU idles while the host launches the next small kernels.
+Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BENCHMARKS.md).
+
+``install(optimizer)`` replaces two methods on that one instance, with the same results:
+
+- ``get_grad_norm_direct`` (L2): the same gradients counted (no ZeRO padding, no pipeline-
+  replicated copy, a non-model-parallel one on model-parallel rank 0 only), their norms in one
+  multi-tensor kernel accumulating in fp32 (as Megatron-LM's ``multi_tensor_l2norm``), the same
+  all-reduces over the data- and model-parallel groups, and a non-finite norm set to -1 on the
+  device. Other norm types go to DeepSpeed's own method.
+- ``unscale_and_clip_grads``: the clip factor ``max(1, (norm / loss_scale + 1e-6) / clip)`` with
+  an invalid norm taken as infinite (DeepSpeed's rule) chosen on the device instead of the host.
+  With a fused AdamW under ``StepGuard`` the factor goes to the kernel as its ``grad_scale``
+  (it divides each gradient as it reads it) instead of a separate pass over the fp32 gradients;
+  otherwise the gradients are multiplied in place as DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+def install(optimizer) -> bool:
+    """Swap the two methods on ``optimizer`` when it is DeepSpeed's ZeRO 1/2 optimizer without
+    CPU offload; returns whether it did."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+        return False
+    optimizer.get_grad_norm_direct = functools.partial(
+        grad_norm, optimizer, optimizer.get_grad_norm_direct
+    )
+    optimizer.unscale_and_clip_grads = functools.partial(
+        unscale_and_clip, optimizer, optimizer.unscale_and_clip_grads
+    )
+    return True
+
+
+def _counted(zopt, gradients, params) -> list[torch.Tensor]:
+    """The gradients DeepSpeed's L2 norm counts on this rank (its selection, unchanged)."""
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    out = []
+    grads = (g for g in gradients if not getattr(g, "_zero_padding", False))
+    for g, p in zip(grads, params, strict=False):  # DeepSpeed's pairing
+        if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+            continue
+        if is_model_parallel_parameter(p) or zopt.model_parallel_rank == 0:
+            out.append(g.detach())
+    return out
+
+
+def grad_norm(zopt, fallback, gradients, params, norm_type=2):
+    """L2 norm of this rank's share of one group's gradients, summed over the data- and model-
+    parallel groups; -1 where it is not finite (DeepSpeed's sentinel)."""
+    if float(norm_type) != 2.0:
+        return fallback(gradients, params, norm_type)
+    from deepspeed import comm as dist
+
+    grads = _counted(zopt, gradients, params)
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        total = torch.stack(norms).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=zopt.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=zopt.dp_process_group)
+    zopt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total.sqrt()
+    return total.masked_fill_(~torch.isfinite(total), -1.0)
+
+
+def unscale_and_clip(zopt, fallback, grad_groups_flat, total_norm):
+    """DeepSpeed's unscale and clip of the flat fp32 gradients, decided on the device."""
+    if zopt.clip_grad == 0.0 and zopt.loss_scale == 1.0:
+        return None
+    if not torch.is_tensor(total_norm) or torch.is_tensor(zopt.loss_scale):
+        return fallback(grad_groups_flat, total_norm)
+    combined = zopt.loss_scale
+    if zopt.clip_grad > 0.0:
+        bad = ~torch.isfinite(total_norm) | (total_norm < 0)
+        norm = total_norm.float().masked_fill(bad, math.inf)
+        clip = ((norm / zopt.loss_scale) + 1e-6) / zopt.clip_grad
+        combined = torch.clamp(clip, min=1.0) * zopt.loss_scale
+    guard = _fused_guard(zopt)
+    if guard is not None and torch.is_tensor(combined):
+        guard.grad_scale = combined.reshape(())  # divided out by the fused AdamW kernel
+        return None
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            g.data.mul_(1.0 / combined)
+    return None
+
+
+def _fused_guard(zopt):
+    """The StepGuard of a fused AdamW under ``zopt`` (it passes ``grad_scale`` on), or None."""
+    inner = getattr(zopt, "optimizer", None)
+    guard = getattr(inner, "step_guard", None)
+    if guard is None or not inner.defaults.get("fused"):
+        return None
+    return guard
