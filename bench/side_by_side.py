@@ -39,7 +39,10 @@ COMMON = (
     "--bf16 --use-distributed-optimizer --no-gradient-accumulation-fusion --mock-data "
     "--tokenizer-type NullTokenizer --split 99,1,0 --no-create-attention-mask-in-dataloader "
     "--log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000 --lr 1e-4 "
-    "--min-lr 1e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --seed 1234"
+    "--min-lr 1e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --seed 1234 "
+    # named for both stacks: without them Megatron-LM's dataclass defaults (0.1) would apply to
+    # the peer alone before megafp8 took Megatron's defaults; 0 is what LLM pretraining uses
+    "--hidden-dropout 0.0 --attention-dropout 0.0"
 )
 LLAMA = (
     "--hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "

@@ -25,6 +25,9 @@ def test_standing_flag_lists_are_valid_runs(shape, precision):
     assert validate(cfg, 1) == 1
     assert cfg.fp8.enabled == (precision == "fp8") and cfg.train.bf16
     assert sbs.gbs_seq(argv) == (cfg.train.global_batch_size, cfg.model.seq_length)
+    # dropout named in the list itself: the peer gets the same value, not its own default
+    assert {"--hidden-dropout", "--attention-dropout"} <= set(argv)
+    assert cfg.model.hidden_dropout == cfg.model.attention_dropout == 0.0
 
 
 def test_reads_both_console_lines():
