@@ -8,7 +8,10 @@ memory, which waits for the GPU), and before clipping asks ``bool()`` whether th
 (another wait). After each wait the GPU idles while the host launches the next small kernels.
 Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BENCHMARKS.md).
 
-``install(optimizer)`` replaces two methods on that one instance, with the same results:
+``install(optimizer)`` replaces three methods on that one instance, with the same results:
+
+- ``scaled_global_norm``: the step's norm over all groups in one pass (one multi-tensor kernel,
+  one all-reduce per parallel group) instead of one per group; DeepSpeed's own under MoE.
 
 - ``get_grad_norm_direct`` (L2): the same gradients counted (no ZeRO padding, no pipeline-
   replicated copy, a non-model-parallel one on model-parallel rank 0 only), their norms in one
@@ -16,7 +19,8 @@ Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BE
   all-reduces over the data- and model-parallel groups, and a non-finite norm set to -1 on the
   device. Other norm types go to DeepSpeed's own method.
 - ``unscale_and_clip_grads``: the clip factor ``max(1, (norm / loss_scale + 1e-6) / clip)`` with
-  an invalid norm taken as infinite (DeepSpeed's rule) chosen on the device instead of the host.
+  an invalid norm taken as infinite (DeepSpeed's rule) chosen on the device instead of the host,
+  once per step (every group is passed the same norm).
   With a fused AdamW under ``StepGuard`` the factor goes to the kernel as its ``grad_scale``
   (it divides each gradient as it reads it) instead of a separate pass over the fp32 gradients;
   otherwise the gradients are multiplied in place as DeepSpeed does.
@@ -39,6 +43,9 @@ def install(optimizer) -> bool:
         return False
     optimizer.get_grad_norm_direct = functools.partial(
         grad_norm, optimizer, optimizer.get_grad_norm_direct
+    )
+    optimizer.scaled_global_norm = functools.partial(
+        global_norm, optimizer, optimizer.scaled_global_norm
     )
     optimizer.unscale_and_clip_grads = functools.partial(
         unscale_and_clip, optimizer, optimizer.unscale_and_clip_grads
@@ -68,16 +75,40 @@ def grad_norm(zopt, fallback, gradients, params, norm_type=2):
         return fallback(gradients, params, norm_type)
     from deepspeed import comm as dist
 
-    grads = _counted(zopt, gradients, params)
-    if grads:
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        total = torch.stack(norms).square().sum()
-    else:
-        total = torch.zeros((), dtype=torch.float32, device=zopt.device)
+    total = _sum_of_squares(_counted(zopt, gradients, params), zopt.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=zopt.dp_process_group)
     zopt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
     total = total.sqrt()
     return total.masked_fill_(~torch.isfinite(total), -1.0)
+
+
+def global_norm(zopt, fallback, norm_type=2):
+    """The step's global L2 norm over every group at once: one multi-tensor kernel and one
+    all-reduce per parallel group, where DeepSpeed's ``scaled_global_norm`` takes each group's
+    norm (kernels and all-reduces per group) and combines them. Non-finite: inf (DeepSpeed's
+    combination turns any invalid group into inf). DeepSpeed's own for MoE (expert norms are
+    averaged per group) and for groups holding Muon updates."""
+    n = len(zopt.bit16_groups)
+    lacks = getattr(zopt, "_muon_update_lacks_loss_scale", lambda i: False)
+    if norm_type != 2 or zopt.has_moe_layers or any(lacks(i) for i in range(n)):
+        return fallback(norm_type)
+    from deepspeed import comm as dist
+
+    grads = []
+    for i in range(n):
+        grads += _counted(zopt, zopt.averaged_gradients[i], zopt.params_in_partition[i])
+    total = _sum_of_squares(grads, zopt.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=zopt.dp_process_group)
+    zopt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total.sqrt()
+    return total.masked_fill_(~torch.isfinite(total), math.inf)
+
+
+def _sum_of_squares(grads: list, device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
 
 
 def unscale_and_clip(zopt, fallback, grad_groups_flat, total_norm):
@@ -86,12 +117,17 @@ def unscale_and_clip(zopt, fallback, grad_groups_flat, total_norm):
         return None
     if not torch.is_tensor(total_norm) or torch.is_tensor(zopt.loss_scale):
         return fallback(grad_groups_flat, total_norm)
-    combined = zopt.loss_scale
-    if zopt.clip_grad > 0.0:
-        bad = ~torch.isfinite(total_norm) | (total_norm < 0)
-        norm = total_norm.float().masked_fill(bad, math.inf)
-        clip = ((norm / zopt.loss_scale) + 1e-6) / zopt.clip_grad
-        combined = torch.clamp(clip, min=1.0) * zopt.loss_scale
+    memo = getattr(zopt, "_lean_clip", None)  # every group of a step gets the same norm
+    if memo is not None and memo[0] is total_norm:
+        combined = memo[1]
+    else:
+        combined = zopt.loss_scale
+        if zopt.clip_grad > 0.0:
+            bad = ~torch.isfinite(total_norm) | (total_norm < 0)
+            norm = total_norm.float().masked_fill(bad, math.inf)
+            clip = ((norm / zopt.loss_scale) + 1e-6) / zopt.clip_grad
+            combined = torch.clamp(clip, min=1.0) * zopt.loss_scale
+        zopt._lean_clip = (total_norm, combined)
     guard = _fused_guard(zopt)
     if guard is not None and torch.is_tensor(combined):
         guard.grad_scale = combined.reshape(())  # divided out by the fused AdamW kernel

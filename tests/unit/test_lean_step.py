@@ -33,7 +33,7 @@ def _against_deepspeed(cfg):
 
     assert zopt.get_grad_norm_direct.func is lean_step.grad_norm  # installed by build_engine
     gen = torch.Generator().manual_seed(11 + groups.coords.tp)
-    out = {"groups": len(zopt.params_in_partition), "norms": [], "clips": []}
+    out = {"groups": len(zopt.params_in_partition), "norms": [], "clips": [], "global": []}
     for params in zopt.params_in_partition:
         grads = [torch.randn(p.shape, generator=gen) * 0.3 for p in params]
         pad = torch.full((3,), 1e3)
@@ -45,6 +45,16 @@ def _against_deepspeed(cfg):
         grads[0][0] = math.inf
         out["norms"].append((float(zopt.get_grad_norm_direct(grads, params)),
                              float(Z.get_grad_norm_direct(zopt, grads, params))))  # fmt: skip
+    # the step's global norm over all groups at once, against DeepSpeed's per-group combination
+    saved = dict(zopt.averaged_gradients)
+    for bad in (False, True):
+        for i, params in enumerate(zopt.params_in_partition):
+            zopt.averaged_gradients[i] = [torch.randn(p.shape, generator=gen) for p in params]
+        if bad:  # one gradient of the last group, on every rank
+            zopt.averaged_gradients[len(zopt.params_in_partition) - 1][0][0] = math.nan
+        out["global"].append((float(zopt.scaled_global_norm()), float(Z.scaled_global_norm(zopt))))
+    zopt.averaged_gradients.clear()
+    zopt.averaged_gradients.update(saved)
     for norm in (0.25, 3.0, -1.0, math.inf, math.nan):
         flat = torch.randn(50, generator=gen)
         a, b = flat.clone(), flat.clone()
@@ -71,6 +81,9 @@ def test_norm_and_clip_match_deepspeed(tp, zero):
         assert [(n, same) for n, same, _ in r["clips"]] == [
             (n, True) for n in (0.25, 3.0, -1.0, math.inf, r["clips"][-1][0])
         ]
+        (mine, ref), (bad_mine, bad_ref) = r["global"]
+        assert mine == pytest.approx(ref, rel=2e-6) and ref > 0
+        assert bad_mine == bad_ref == math.inf
         # below the clip (0.25 < 1) the gradient stays; above it, it is scaled; invalid: zeroed
         assert [unchanged for *_, unchanged in r["clips"]][:2] == [True, False]
     if tp == 2:  # the model-parallel sum makes the norm the same on both ranks
