@@ -35,7 +35,7 @@ import torch
 
 
 def install(optimizer) -> bool:
-    """Swap the two methods on ``optimizer`` when it is DeepSpeed's ZeRO 1/2 optimizer without
+    """Swap the three methods on ``optimizer`` when it is DeepSpeed's ZeRO 1/2 optimizer without
     CPU offload; returns whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
