@@ -12,7 +12,6 @@ Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BE
 
 - ``scaled_global_norm``: the step's norm over all groups in one pass (one multi-tensor kernel,
   one all-reduce per parallel group) instead of one per group; DeepSpeed's own under MoE.
-
 - ``get_grad_norm_direct`` (L2): the same gradients counted (no ZeRO padding, no pipeline-
   replicated copy, a non-model-parallel one on model-parallel rank 0 only), their norms in one
   multi-tensor kernel accumulating in fp32 (as Megatron-LM's ``multi_tensor_l2norm``), the same
@@ -73,13 +72,7 @@ def grad_norm(zopt, fallback, gradients, params, norm_type=2):
     parallel groups; -1 where it is not finite (DeepSpeed's sentinel)."""
     if float(norm_type) != 2.0:
         return fallback(gradients, params, norm_type)
-    from deepspeed import comm as dist
-
-    total = _sum_of_squares(_counted(zopt, gradients, params), zopt.device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=zopt.dp_process_group)
-    zopt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-    total = total.sqrt()
-    return total.masked_fill_(~torch.isfinite(total), -1.0)
+    return _reduced_norm(zopt, _counted(zopt, gradients, params), invalid=-1.0)
 
 
 def global_norm(zopt, fallback, norm_type=2):
@@ -92,23 +85,26 @@ def global_norm(zopt, fallback, norm_type=2):
     lacks = getattr(zopt, "_muon_update_lacks_loss_scale", lambda i: False)
     if norm_type != 2 or zopt.has_moe_layers or any(lacks(i) for i in range(n)):
         return fallback(norm_type)
-    from deepspeed import comm as dist
-
     grads = []
     for i in range(n):
         grads += _counted(zopt, zopt.averaged_gradients[i], zopt.params_in_partition[i])
-    total = _sum_of_squares(grads, zopt.device)
+    return _reduced_norm(zopt, grads, invalid=math.inf)
+
+
+def _reduced_norm(zopt, grads: list, invalid: float) -> torch.Tensor:
+    """L2 norm of ``grads`` (fp32 accumulation) summed over the data- and model-parallel groups;
+    ``invalid`` where it is not finite."""
+    from deepspeed import comm as dist
+
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        total = torch.stack(norms).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=zopt.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=zopt.dp_process_group)
     zopt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
     total = total.sqrt()
-    return total.masked_fill_(~torch.isfinite(total), math.inf)
-
-
-def _sum_of_squares(grads: list, device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-    return torch.stack(norms).square().sum()
+    return total.masked_fill_(~torch.isfinite(total), invalid)
 
 
 def unscale_and_clip(zopt, fallback, grad_groups_flat, total_norm):
