@@ -139,7 +139,8 @@ def test_content_eod_and_empty_documents(tmp_path, sp_model):
 
 
 def test_null_tokenizer_uses_megatron_vocab_meaning(tmp_path):
-    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 99"}])
+    # Megatron-LM main: --vocab-size V is V ids in all, EOD V - 1 (its legacy tokenizer: V + 1)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 98"}])
     r = run_pp(
         "--input",
         path,
@@ -152,16 +153,16 @@ def test_null_tokenizer_uses_megatron_vocab_meaning(tmp_path):
         tmp_path / "n",
     )
     assert r.returncode == 0, r.stderr
-    assert IndexedDataset(str(tmp_path / "n_text_document"))[0].tolist() == [1, 2, 99, 100]
+    assert IndexedDataset(str(tmp_path / "n_text_document"))[0].tolist() == [1, 2, 98, 99]
     side = read_sidecar(str(tmp_path / "n_text_document"))
     assert (side["vocab_size"], side["eod"], side["max_token_id"], side["files"]) == (
-        101,
         100,
-        100,
+        99,
+        99,
         {},
     )
     # The EOD id written in the text would end a document mid-text: refused, nothing written.
-    path = write_jsonl(tmp_path / "eod.jsonl", [{"text": "1 2"}, {"text": "5 100 7"}])
+    path = write_jsonl(tmp_path / "eod.jsonl", [{"text": "1 2"}, {"text": "5 99 7"}])
     r = run_pp(
         "--input",
         path,
@@ -173,7 +174,7 @@ def test_null_tokenizer_uses_megatron_vocab_meaning(tmp_path):
         tmp_path / "e",
     )
     assert r.returncode == 1 and f"{path}: a line from 1 on" in r.stderr
-    assert "EOD 100 may not appear in text" in r.stderr
+    assert "EOD 99 may not appear in text" in r.stderr
     assert not list(tmp_path.glob("e_*"))
 
 

@@ -197,14 +197,15 @@ def test_build_tokenizer_vocab_rules(trained):
     mock = DataConfig(mock_data=True)
     assert (build_tokenizer(mock, 256).vocab_size, build_tokenizer(mock, 256).eod) == (256, 255)
     assert build_tokenizer(mock).vocab_size == DEFAULT_MOCK_VOCAB_SIZE
-    # NullTokenizer (named, or real data without a model): Megatron's V, as preprocess_data.py.
+    # NullTokenizer (named, or real data without a model): Megatron-LM main's V ids in all,
+    # EOD V - 1, as preprocess_data.py (its legacy tokenizer had V + 1).
     for cfg in (
         DataConfig(tokenizer_type="NullTokenizer", mock_data=True),
         DataConfig(data_path=("x",)),
     ):
         tok = build_tokenizer(cfg, 256)
-        assert (tok.vocab_size, tok.eod) == (257, 256)
-        assert model_vocab_size(256, tok) == 257  # the model holds the EOD row
+        assert (tok.vocab_size, tok.eod) == (256, 255)
+        assert model_vocab_size(256, tok) == 256  # the EOD row is inside V
     sp = build_tokenizer(DataConfig(tokenizer_model=f"{trained}.model"), 256)
     assert model_vocab_size(None, sp) == 300 and model_vocab_size(320, sp) == 320
     with pytest.raises(ValueError, match="vocab_size=256 is smaller than the vocab of"):

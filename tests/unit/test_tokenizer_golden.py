@@ -183,11 +183,11 @@ def test_huggingface_golden(tmp_path):
 
 
 def test_null_tokenizer_golden():
-    tok = make_tokenizer("NullTokenizer", vocab_size=10 + 1)  # Megatron's --vocab-size 10
-    assert (tok.vocab_size, tok.eod) == (11, 10)
+    tok = make_tokenizer("NullTokenizer", vocab_size=10)  # Megatron-LM main's --vocab-size 10
+    assert (tok.vocab_size, tok.eod) == (10, 9)
     assert tok.tokenize("3 1 4\n1  5") == [3, 1, 4, 1, 5] and tok.tokenize("") == []
-    with pytest.raises(ValueError, match="EOD 10 may not appear in text"):
-        tok.tokenize("1 10")
+    with pytest.raises(ValueError, match="EOD 9 may not appear in text"):
+        tok.tokenize("1 9")
     with pytest.raises(ValueError, match="text must be ids"):
         tok.tokenize("</s>")
 

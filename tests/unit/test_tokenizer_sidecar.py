@@ -145,6 +145,15 @@ def test_bad_run_inputs(data, tmp_path):
     tok = make_tokenizer("NullTokenizer", vocab_size=11)
     write_sidecar(str(tmp_path / "n"), tok, 10, 5)
     assert json.loads(open(sidecar_path(str(tmp_path / "n"))).read())["eod"] == 10
+    # ids written with EOD 10 (11 ids): a run with --vocab-size 10 (EOD 9) is told the value
+    null = Config().replace(
+        data={"data_path": (str(tmp_path / "n"),), "tokenizer_type": "NullTokenizer"},
+        model={"vocab_size": 10},
+    )
+    with pytest.raises(ValueError, match=r"EOD 10, vocab 11\), but .*EOD 9, vocab 10\); pass "
+                       r"--vocab-size 11 used by preprocess_data.py"):  # fmt: skip
+        check_run_tokenizer(null)
+    assert check_run_tokenizer(null.replace(model={"vocab_size": 11})).eod == 10
 
 
 def test_loader_and_train_check_the_data(data):

@@ -16,9 +16,10 @@ Types (``--tokenizer-type``):
   BPE, EOD = ``<|endoftext|>``. ``HuggingFaceTokenizer`` (``--tokenizer-model`` a
   ``tokenizer.json`` or its directory): EOD = its eos token. Both need the optional
   ``tokenizers`` package. See ``bpe.py``.
-- ``NullTokenizer``: text is space-separated ids; Megatron's ``--vocab-size V`` means ids
-  ``0..V-1`` plus EOD ``V`` (``NullTokenizer(V + 1)``). With ``--mock-data`` and no tokenizer
-  named, the mock vocab is ``V`` ids with EOD ``V - 1`` (``DEFAULT_MOCK_VOCAB_SIZE`` without V).
+- ``NullTokenizer``: text is space-separated ids; Megatron-LM (main)'s ``--vocab-size V``
+  means ``V`` ids in all, EOD ``V - 1`` (``NullTokenizer(V)``; Megatron's legacy tokenizer had
+  ``V + 1``). With ``--mock-data`` and no tokenizer named, the mock vocab is the same ``V`` ids
+  (``DEFAULT_MOCK_VOCAB_SIZE`` without V).
 
 No type can let text inject a document boundary in its current behaviour: the EOD id only comes
 from ``--append-eod`` (legacy SentencePiece keeps Megatron's splitting, ``<EOD>`` included).
@@ -91,8 +92,8 @@ def make_tokenizer(
 ) -> TokenizerBase:
     """Build a tokenizer by Megatron type name; None picks SentencePiece with a model, else Null.
 
-    ``vocab_size`` is NullTokenizer's whole size (EOD = ``vocab_size - 1``; Megatron's ``V`` is
-    ``vocab_size - 1``). ``legacy`` is ``--tokenizer-sentencepiece-legacy``.
+    ``vocab_size`` is NullTokenizer's whole size (EOD = ``vocab_size - 1``), Megatron's ``V``.
+    ``legacy`` is ``--tokenizer-sentencepiece-legacy``.
     """
     if tokenizer_type is None:
         tokenizer_type = "SentencePieceTokenizer" if tokenizer_model else "NullTokenizer"
@@ -120,16 +121,13 @@ def make_tokenizer(
 def build_tokenizer(data_cfg, vocab_size: int | None = None) -> TokenizerBase:
     """The run's tokenizer from ``DataConfig`` and the model's ``vocab_size`` (``--vocab-size``).
 
-    NullTokenizer takes ``vocab_size`` as Megatron's ``V`` (ids ``0..V-1``, EOD ``V``), as
+    NullTokenizer takes ``vocab_size`` as Megatron's ``V`` (``V`` ids, EOD ``V - 1``), as
     ``preprocess_data.py`` does, so both sides agree on EOD. Mock data with no tokenizer named
-    uses a mock vocab of exactly ``vocab_size`` ids (default ``DEFAULT_MOCK_VOCAB_SIZE``).
+    uses a mock vocab of the same ``vocab_size`` ids (default ``DEFAULT_MOCK_VOCAB_SIZE``).
     """
     d = data_cfg
-    kind = d.tokenizer_type or ("SentencePieceTokenizer" if d.tokenizer_model else "NullTokenizer")
     if d.mock_data and d.tokenizer_type is None and not d.tokenizer_model:
         vocab_size = vocab_size or DEFAULT_MOCK_VOCAB_SIZE
-    elif vocab_size is not None and kind == "NullTokenizer":
-        vocab_size += 1  # Megatron's V plus its EOD
     return make_tokenizer(
         d.tokenizer_type,
         d.tokenizer_model,

@@ -79,10 +79,10 @@ class TokenizerBase:
 class NullTokenizer(TokenizerBase):
     """Ids written as text: ``"3 1 4"`` -> ``[3, 1, 4]``.
 
-    ``NullTokenizer(n)`` holds ``n`` ids: ``0..n-2`` for text and EOD ``n-1``. Megatron's
-    ``--vocab-size V`` is ``n = V + 1`` (ids ``0..V-1`` plus EOD ``V``): ``preprocess_data.py``
-    and the training side pass ``V + 1``. The EOD id written in the text is an error, so text
-    cannot end a document (Megatron would write it).
+    ``NullTokenizer(n)`` holds ``n`` ids: ``0..n-2`` for text and EOD ``n-1``. Megatron-LM
+    (main)'s ``--vocab-size V`` is ``n = V``, in ``preprocess_data.py`` and on the training side
+    alike. The EOD id written in the text is an error, so text cannot end a document (Megatron
+    would write it).
     """
 
     type_name = "NullTokenizer"

@@ -1,7 +1,7 @@
 """Megatron's tokenizer flags for the data tools (as its ``_add_tokenizer_args``), and the
 picklable spec a tool hands its worker processes.
 
-``--vocab-size V`` is Megatron's: NullTokenizer ids ``0..V-1`` plus EOD ``V``.
+``--vocab-size V`` is Megatron-LM (main)'s: NullTokenizer holds ``V`` ids, EOD ``V - 1``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def add_tokenizer_args(group) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help="NullTokenizer: ids 0..V-1, EOD = V (Megatron's meaning)",
+        help="NullTokenizer: V ids in all, EOD = V - 1 (Megatron-LM main's meaning)",
     )
     group.add_argument(
         "--tokenizer-sentencepiece-legacy",
@@ -39,11 +39,10 @@ def add_tokenizer_args(group) -> None:
 
 def tokenizer_spec(args) -> dict:
     """The tokenizer flags as ``make_tokenizer`` keywords (picklable, for worker processes)."""
-    v = args.vocab_size
     return {
         "tokenizer_type": args.tokenizer_type,
         "tokenizer_model": args.tokenizer_model,
-        "vocab_size": None if v is None else v + 1,  # Megatron's V plus its EOD
+        "vocab_size": args.vocab_size,
         "legacy": args.tokenizer_sentencepiece_legacy,
         "vocab_file": args.vocab_file,
         "merge_file": args.merge_file,

@@ -109,9 +109,11 @@ def check_dataset_tokenizer(prefix: str, tokenizer, padded_vocab: int | None = N
     if side is not None:
         same_files = sorted(side.get("files", {}).values()) == sorted(mine["files"].values())
         if not same_files or side.get("eod") != mine["eod"]:
+            null = side.get("tokenizer_type") == mine.get("tokenizer_type") == "NullTokenizer"
+            flags = f"--vocab-size {side.get('vocab_size')}" if null else "the tokenizer flags"
             raise ValueError(
                 f"{prefix}: tokenized with {_describe(side)}, but this run uses "
-                f"{_describe(mine)}; pass the tokenizer flags used by preprocess_data.py "
+                f"{_describe(mine)}; pass {flags} used by preprocess_data.py "
                 f"(see {sidecar_path(prefix)}) or preprocess again"
             )
         max_id, where = int(side.get("max_token_id", -1)), " (sidecar)"
