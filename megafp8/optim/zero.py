@@ -241,22 +241,34 @@ class StepGuard:
     waiting for it; another reads it on the host (``nonfinite_grad``).
 
     ``grad_scale`` (set by ``lean_step``'s clip before each group's step, fused AdamW only): the
-    fused kernel divides the gradients by it as it reads them, in place of a pass over them."""
+    fused kernel divides the gradients by it as it reads them, in place of a pass over them.
+
+    ``skip_if`` (a 0-d float tensor on the device, 1.0: withhold; set by ``StepPolicy`` where
+    ``on_device()``): the bad-loss verdict, joined to the norm's ``found_inf``, so the host
+    need not wait for the loss before the step."""
 
     def __init__(self, opt: torch.optim.Optimizer):
         self.opt, self._step = opt, opt.step
         self.skip = self.check_grads = self.nonfinite_grad = False
         self.norm_of = None
+        self.skip_if: torch.Tensor | None = None
         self.grad_scale = None  # set by lean_step's clip for the next fused step, then cleared
         self._found: tuple = (None, None)  # (the norm, its found_inf), once per step
         opt.step, opt.step_guard = self.step, self
+
+    def on_device(self) -> bool:
+        """Whether every update goes through the fused kernel's ``found_inf`` (``skip_if``)."""
+        return bool(self.opt.defaults.get("fused")) and self.norm_of is not None
 
     def _found_inf(self):
         norm = self.norm_of()
         if not torch.is_tensor(norm):
             return None
         if self._found[0] is not norm:
-            self._found = (norm, (~torch.isfinite(norm)).float().reshape(()))
+            found = (~torch.isfinite(norm)).float().reshape(())
+            if self.skip_if is not None:
+                found = torch.maximum(found, self.skip_if.to(found.device, found.dtype))
+            self._found = (norm, found)
         return self._found[1]
 
     def step(self, closure=None):
@@ -323,14 +335,39 @@ class StepPolicy:
         self.verdict: dict = {"skipped": False, "nan": False, "what": ""}
         self._ds_skipped = 0
 
-    def is_spike(self, loss: float) -> bool:
-        full = self.spiky and len(self.losses) == self.window
-        return full and loss > self.factor * (sum(self.losses) / len(self.losses))
+    def on_device(self) -> bool:
+        """Whether ``before_step`` can take the loss as a tensor not yet waited for: the update
+        goes through a fused AdamW whose ``found_inf`` can carry the verdict."""
+        return self.opt is not None and self.opt.on_device()
 
-    def before_step(self, loss: float) -> None:
-        skip = (self.check_nan and not math.isfinite(loss)) or self.is_spike(loss)
-        if self.opt is not None:
-            self.opt.skip, self.opt.nonfinite_grad = skip, False
+    def _spike_bound(self) -> float | None:
+        """factor x the window's mean, rounded to fp32 (the loss's dtype) so that the device's
+        comparison and the host's are the same; None until the window is full."""
+        if not (self.spiky and len(self.losses) == self.window):
+            return None
+        bound = self.factor * (sum(self.losses) / len(self.losses))
+        return float(torch.tensor(bound, dtype=torch.float32))
+
+    def is_spike(self, loss: float) -> bool:
+        bound = self._spike_bound()
+        return bound is not None and loss > bound
+
+    def before_step(self, loss: float | torch.Tensor) -> None:
+        """A float loss: the verdict on the host. A tensor (``on_device()`` only): the same
+        verdict computed on the device, for the fused kernel's ``found_inf``."""
+        if torch.is_tensor(loss):
+            bad = torch.zeros((), dtype=torch.bool, device=loss.device)
+            if self.check_nan:
+                bad = bad | ~torch.isfinite(loss)
+            bound = self._spike_bound()
+            if bound is not None:
+                bad = bad | (loss.float() > bound)
+            self.opt.skip, self.opt.nonfinite_grad = False, False
+            self.opt.skip_if = bad.float().reshape(())
+        else:
+            skip = (self.check_nan and not math.isfinite(loss)) or self.is_spike(loss)
+            if self.opt is not None:
+                self.opt.skip, self.opt.nonfinite_grad = skip, False
         self._ds_skipped = getattr(self.engine, "skipped_steps", 0)
 
     def after_step(self, loss: float, grad_norm: float | None) -> dict:
@@ -338,12 +375,15 @@ class StepPolicy:
         bad_loss = self.check_nan and not math.isfinite(loss)
         bad_norm = grad_norm is not None and not math.isfinite(grad_norm)
         bad_grad = self.check_nan and (bad_norm or (opt is not None and opt.nonfinite_grad))
+        on_device = opt is not None and opt.skip_if is not None  # the device judged the loss
         skipped = (
             opt is not None
             and (opt.skip or opt.nonfinite_grad or (opt.norm_of is not None and bad_norm))
         ) or (getattr(self.engine, "skipped_steps", 0) > self._ds_skipped)
+        skipped = skipped or (on_device and (bad_loss or self.is_spike(loss)))
         if opt is not None:
             opt.skip = opt.nonfinite_grad = False
+            opt.skip_if = None
         what = f"lm loss is {loss}" if bad_loss else f"grad norm is {grad_norm}" if bad_grad else ""
         if not what and skipped and self.is_spike(loss):
             what = f"lm loss {loss:.4g} > {self.factor:g} x the mean of the last {self.window}"

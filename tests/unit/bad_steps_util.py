@@ -49,10 +49,11 @@ def same(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None):
+def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None, fused=False):
     """Train ``cfg`` under the current process group. ``inject``: {iteration: kind}, kind "nan"
     (the loss of one micro-batch times NaN), "spike" (every loss x 100) or "nangrad" (a finite
     loss with NaN gradients), on rank ``rank`` only (None: every rank), on the last stage.
+    ``fused``: the AdamW made fused (as on the GPU), so the policy judges the loss on the device.
 
     Returns (history, {iteration: weights and optimizer state unchanged by it}, log lines of
     rank 0, error message or None)."""
@@ -62,6 +63,15 @@ def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None):
 
     groups, device = T.init_distributed(cfg)
     run = T.build_run(cfg, groups, device)
+    if fused:
+        from megafp8.optim.zero import step_guard
+
+        opt = step_guard(run.engine).opt
+        opt.defaults["fused"] = True
+        for g in opt.param_groups:
+            g["fused"] = True
+        T._attach_policies(run, dist.get_rank() == 0)
+        assert run.policy.on_device(), "the fused AdamW should take the device path"
     me = dist.get_rank()
     calls = {"n": 0}
     orig = run.model.forward

@@ -45,6 +45,20 @@ def test_nan_on_one_rank_and_spike_are_skipped(zero):
     assert "lm loss: NAN |" in [x for x in lines if x.startswith(" iteration        3/")][0]
 
 
+def test_loss_judged_on_the_device():
+    """ZeRO 1 in bf16 with a fused AdamW (the GPU's path): the host launches the step before it
+    reads the loss; the NaN loss (one rank) and the spike are withheld inside the fused kernel
+    all the same, and counted as on the host path."""
+    cfg = _cfg(1, nan_policy="skip", check_for_spiky_loss=True, spiky_loss_window=2, bf16=True)
+    got = run_distributed(train_injected, 2, cfg, {3: "nan", 5: "spike"}, 1, None, True)
+    for hist, unchanged, _, err in got:
+        assert err is None and len(hist) == 6
+        assert unchanged == {1: False, 2: False, 3: True, 4: False, 5: True, 6: False}
+        assert [r["skipped"] for r in hist] == [False, False, True, False, True, False]
+    assert [_counts(got[0][2], i) for i in range(1, 7)] == [(0, 0), (0, 0), (1, 1), (0, 0),
+                                                             (1, 0), (0, 0)]  # fmt: skip
+
+
 @pytest.mark.parametrize("zero,bf16", [(0, False), (1, False), (1, True), (2, True)])
 def test_nan_gradient_with_a_finite_loss_is_skipped(zero, bf16):
     """The grad norm is only known inside the step: DeepSpeed's ZeRO skips a non-finite one

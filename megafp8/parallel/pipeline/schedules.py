@@ -17,6 +17,10 @@ accumulation and ZeRO reduction see the gradients one process would have. ``engi
 follows every backward; DeepSpeed steps at the m-th, the accumulation boundary, which every
 schedule calls last (``boundary_step``): after the iteration's loss is known on every rank, so
 the bad-step policy (``run.policy``, ``optim/zero.py``'s ``StepPolicy``) can withhold the update.
+Without pipelining the loss stays on the GPU until the step is launched: where the optimizer can
+withhold its update on the device (``StepPolicy.on_device``) the host reads it only afterwards,
+so the step's many small kernels queue behind the last backward instead of starting on an idle
+GPU.
 
 Tied embeddings across stages: the last stage's output layer is a copy of the first stage's word
 embedding outside the optimizer. After its last backward the last stage sends the copy's
@@ -51,11 +55,12 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def dp_mean(x: torch.Tensor, groups) -> float:
+def dp_mean(x: torch.Tensor, groups, on_device: bool = False) -> float | torch.Tensor:
+    """The mean of ``x`` over the data-parallel group: a float, or the tensor (not waited for)."""
     if groups.dp > 1:
         dist.all_reduce(x, group=groups.dp_group)
         x = x / groups.dp
-    return float(x)
+    return x if on_device else float(x)
 
 
 def one_f_one_b_order(pp: int, rank: int, m: int) -> list[tuple[str, int]]:
@@ -104,17 +109,22 @@ def no_pipelining(run, train_iter, hooks=None) -> tuple[float, float | None]:
             if hooks is not None:
                 hooks.after_microbatch()
     if per_token:  # sum over DP of the token-weighted sums, over the global token count
-        loss = dp_mean(total / n_total, run.groups) * run.groups.dp
+        loss = dp_mean(total / n_total, run.groups, True) * run.groups.dp
     else:
-        loss = dp_mean(total / gas, run.groups)
-    return loss, boundary_step(run, loss, hooks)
+        loss = dp_mean(total / gas, run.groups, True)
+    gn = boundary_step(run, loss, hooks)
+    return float(loss), gn
 
 
-def boundary_step(run, loss: float, hooks=None) -> float | None:
-    """The accumulation boundary's ``engine.step()`` (the optimizer update), once ``loss`` is
-    known on every rank: ``run.policy`` (where there is one) decides before it whether the update
-    happens and reads the gradient norm after it. Returns the grad norm."""
+def boundary_step(run, loss: float | torch.Tensor, hooks=None) -> float | None:
+    """The accumulation boundary's ``engine.step()`` (the optimizer update), once ``loss`` (the
+    same on every rank; a float, or a 0-d tensor read only after the step is launched where the
+    policy can judge it on the device) is known: ``run.policy`` (where there is one) decides
+    before it whether the update happens and reads the gradient norm after it. Returns the
+    grad norm."""
     policy = getattr(run, "policy", None)
+    if torch.is_tensor(loss) and (policy is None or not policy.on_device()):
+        loss = float(loss)
     if policy is not None:
         policy.before_step(loss)
     run.backend.release_main_grads()  # fused wgrad accumulation: .grad is DeepSpeed's alone
@@ -123,7 +133,7 @@ def boundary_step(run, loss: float, hooks=None) -> float | None:
     gn = run.engine.get_global_grad_norm()
     gn = float(gn) if gn is not None else None
     if policy is not None:
-        policy.after_step(loss, gn)
+        policy.after_step(float(loss), gn)
     if hooks is not None:
         hooks.after_microbatch()
     return gn
