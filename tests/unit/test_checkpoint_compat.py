@@ -39,6 +39,24 @@ def test_another_shape_or_layout_is_one_line(tmp_path, capsys):
     assert sorted(os.listdir(d)) == before  # nothing written
 
 
+def test_another_vocab_is_one_line(tmp_path, capsys):
+    """The record holds the resolved vocab: one written with NullTokenizer's legacy meaning
+    (--vocab-size 256 then gave 257 ids) is named, where its embedding rows would not fit; with
+    --vocab-size left to the tokenizer nothing is compared."""
+    from megafp8.checkpoint import check_compatible
+    from megafp8.cli import parse_args
+
+    saved = parse_args(FLAGS).to_dict()
+    saved["model"]["vocab_size"] = 257
+    d = _fake_checkpoint(tmp_path, saved)
+    assert main([*FLAGS, "--tokenizer-type", "NullTokenizer", "--load", d]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "vocab_size=257; this run has vocab_size=256" in err
+    check_compatible(d, parse_args([*FLAGS, "--vocab-size", "257"]))  # no error
+    cfg = parse_args(FLAGS).replace(model={"vocab_size": None})
+    check_compatible(d, cfg)  # the tokenizer's vocab: not compared
+
+
 def test_other_optimizer_groups_need_torch_dist(tmp_path, capsys):
     """The optimizer's groups are the shards' layout too: another --optimizer-group-max-numel is
     one line for a torch-format checkpoint, and no error for a torch_dist one; a record without
