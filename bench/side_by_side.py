@@ -80,6 +80,10 @@ ITER = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 OURS_MEM = re.compile(r"peak memory \(GB\): ([0-9.]+)")
 PEER_MEM = re.compile(r"max allocated: ([0-9.]+)")
 OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
+# both stacks print Megatron's line (the peer adds a "gtp_remat" coordinate): the first rank's
+PARAMS = re.compile(
+    r"number of parameters on \([a-z_, ]+\) model parallel rank \([0-9, ]+\): (\d+)"
+)
 
 
 def flags(shape: str, precision: str, iters: int, extra: str) -> list[str]:
@@ -97,6 +101,9 @@ def parse(text: str, skip: int, peer: bool) -> dict:
     ms = [float(x) for x in ITER.findall(text)]
     mem = (PEER_MEM if peer else OURS_MEM).findall(text)
     out = {"iters_logged": len(ms), "oom": bool(OOM.search(text))}
+    params = PARAMS.search(text)
+    if params:
+        out["params"] = int(params.group(1))
     if len(ms) > skip:
         out["ms_per_iter"] = sum(ms[skip:]) / len(ms[skip:])
     if mem:  # ours: GiB; the peer: MB (2^20 bytes)
@@ -169,7 +176,25 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"extra": a.extra, "ours_extra": a.ours_extra, "rows": rows}, f, indent=1)
+    for problem in unequal_models(rows):
+        print(f"error: {problem}: the ratio compares different models", file=sys.stderr)
+        return 1
     return 0
+
+
+def unequal_models(rows: list[dict]) -> list[str]:
+    """Each shape and precision whose two stacks reported different parameter counts (a
+    different padded vocab, a layer the other lacks): a ratio there compares unequal work."""
+    out = []
+    for key in dict.fromkeys((r["shape"], r["precision"]) for r in rows):
+        counts = {}
+        for r in rows:
+            if (r["shape"], r["precision"]) == key and "params" in r:
+                counts.setdefault(r["stack"], set()).add(r["params"])
+        if len(counts) == 2 and counts["megafp8"] != counts["megatron-lm"]:
+            ours, peer = sorted(counts["megafp8"]), sorted(counts["megatron-lm"])
+            out.append(f"{key[0]} {key[1]}: megafp8 built {ours} parameters, Megatron-LM {peer}")
+    return out
 
 
 def _table(rows: list[dict], a) -> None:

@@ -118,6 +118,21 @@ def init_distributed(cfg: Config) -> tuple[ParallelGroups, torch.device]:
     return groups, device
 
 
+def _log_model_size(model, vocab: int, groups: ParallelGroups) -> None:
+    """Megatron-LM's two lines: the padded vocab, and this rank's parameter count (what a
+    side-by-side compares to be sure both stacks built the same model)."""
+    c = groups.coords
+    if c.dp != 0:
+        return
+    padded = getattr(model, "padded_vocab", None)
+    if padded is not None and c.tp == 0 and c.pp == 0:
+        log.info(" > padded vocab (size: %d) with %d dummy tokens (new size: %d)", vocab,
+                 padded - vocab, padded)  # fmt: skip
+    n = sum(p.numel() for p in model.parameters())
+    log.info(" > number of parameters on (tensor, pipeline) model parallel rank (%d, %d): %d",
+             c.tp, c.pp, n)  # fmt: skip
+
+
 def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     from megafp8.data.loader import build_data_iterators
     from megafp8.data.tokenizer import build_tokenizer, model_vocab_size
@@ -136,6 +151,7 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     model = build_model(
         cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng
     )
+    _log_model_size(model, cfg.model.vocab_size, groups)
     engine = build_engine(model, cfg, groups)
     data = build_data_iterators(
         cfg,

@@ -44,3 +44,38 @@ def test_reads_both_console_lines():
     )
     got = sbs.parse(peer, skip=0, peer=True)
     assert got["ms_per_iter"] == 900.0 and got["peak_GiB"] == 2.0 and got["oom"]
+
+
+def test_both_stacks_must_build_the_same_model(capsys):
+    """Each stack's parameter count (Megatron's line; the peer's has a third coordinate) is
+    read, and a shape whose two counts differ is named: its ratio compares unequal work."""
+    ours = " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 1825480704"
+    peer = (" > number of parameters on (tensor, gtp_remat, pipeline) model parallel rank "
+            "(0, 0, 0): 1826004992")  # fmt: skip
+    assert sbs.parse(ours, 0, False)["params"] == 1825480704
+    assert sbs.parse(peer, 0, True)["params"] == 1826004992
+    rows = [
+        dict(shape="gpt7b", precision="fp8", stack="megafp8", params=1825480704),
+        dict(shape="gpt7b", precision="fp8", stack="megatron-lm", params=1826004992),
+        dict(shape="gpt7b", precision="bf16", stack="megafp8", params=1825480704),
+        dict(shape="gpt7b", precision="bf16", stack="megatron-lm", params=1825480704),
+        dict(shape="llama8b-16", precision="fp8", stack="megafp8", params=5),  # no peer run
+    ]
+    (problem,) = sbs.unequal_models(rows)
+    assert problem == "gpt7b fp8: megafp8 built [1825480704] parameters, Megatron-LM [1826004992]"
+
+
+def test_ours_prints_megatrons_model_lines(capsys):
+    """pretrain_gpt.py logs Megatron's padded-vocab and parameter-count lines; the count is
+    Megatron's for a GPT: V h + P h + L (12 h^2 + 13 h) + 2 h."""
+    from megafp8.train import main
+
+    v, h, layers, pos = 256, 64, 2, 32
+    assert main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(v),
+                 "--num-layers", str(layers), "--hidden-size", str(h),
+                 "--num-attention-heads", "4", "--seq-length", str(pos),
+                 "--max-position-embeddings", str(pos), "--train-iters", "1"]) == 0  # fmt: skip
+    text = "".join(capsys.readouterr())
+    assert " > padded vocab (size: 256) with 0 dummy tokens (new size: 256)" in text
+    want = v * h + pos * h + layers * (12 * h * h + 13 * h) + 2 * h
+    assert sbs.parse(text, 0, False)["params"] == want
