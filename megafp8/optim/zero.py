@@ -262,8 +262,8 @@ class StepGuard:
 
     def _found_inf(self):
         norm = self.norm_of()
-        if not torch.is_tensor(norm):
-            return None
+        if not torch.is_tensor(norm):  # no norm this step: the loss's verdict alone
+            return None if self.skip_if is None else self.skip_if.float().reshape(())
         if self._found[0] is not norm:
             found = (~torch.isfinite(norm)).float().reshape(())
             if self.skip_if is not None:

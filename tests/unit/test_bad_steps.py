@@ -113,6 +113,32 @@ def test_norm_skip_withholds_the_update(fused):
     assert (p < before).all() and float(opt.state[p]["step"]) == 2.0
 
 
+def test_loss_verdict_on_the_device_withholds_the_update():
+    """StepGuard.skip_if (StepPolicy's device verdict on the loss) reaches the fused kernel as
+    found_inf, with a finite norm and with none; 0.0 lets the update happen."""
+    import torch
+
+    from megafp8.optim.zero import StepGuard
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    guard = StepGuard(opt)
+    assert not guard.on_device()  # no norm_of: the host decides
+    p.grad = torch.full((4,), 0.5)
+    opt.step()
+    for norm in (torch.tensor(1.0), None):
+        guard.norm_of = lambda n=norm: n
+        assert guard.on_device()
+        guard.skip_if = torch.tensor(1.0)
+        before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+        opt.step()
+        assert torch.equal(p, before[0]) and float(opt.state[p]["step"]) == 1.0, norm
+        guard.skip_if, guard._found = torch.tensor(0.0), (None, None)
+        opt.step()
+        assert (p < before[0]).all(), norm
+        opt.state[p]["step"].fill_(1.0)
+
+
 def test_norm_skip_counts_the_skip():
     """On the fused path nothing is read on the host inside the step: the policy learns of the
     withheld update from the non-finite grad norm the step reports."""
