@@ -263,11 +263,11 @@ class StepGuard:
     def _found_inf(self):
         norm = self.norm_of()
         if not torch.is_tensor(norm):  # no norm this step: the loss's verdict alone
-            return None if self.skip_if is None else self.skip_if.float().reshape(())
+            return self.skip_if
         if self._found[0] is not norm:
             found = (~torch.isfinite(norm)).float().reshape(())
             if self.skip_if is not None:
-                found = torch.maximum(found, self.skip_if.to(found.device, found.dtype))
+                found = torch.maximum(found, self.skip_if)
             self._found = (norm, found)
         return self._found[1]
 
@@ -352,6 +352,10 @@ class StepPolicy:
         bound = self._spike_bound()
         return bound is not None and loss > bound
 
+    def _bad_loss(self, loss: float) -> bool:
+        """The host's verdict on the loss: NaN/inf (when checked) or a spike."""
+        return (self.check_nan and not math.isfinite(loss)) or self.is_spike(loss)
+
     def before_step(self, loss: float | torch.Tensor) -> None:
         """A float loss: the verdict on the host. A tensor (``on_device()`` only): the same
         verdict computed on the device, for the fused kernel's ``found_inf``."""
@@ -365,9 +369,8 @@ class StepPolicy:
             self.opt.skip, self.opt.nonfinite_grad = False, False
             self.opt.skip_if = bad.float().reshape(())
         else:
-            skip = (self.check_nan and not math.isfinite(loss)) or self.is_spike(loss)
             if self.opt is not None:
-                self.opt.skip, self.opt.nonfinite_grad = skip, False
+                self.opt.skip, self.opt.nonfinite_grad = self._bad_loss(loss), False
         self._ds_skipped = getattr(self.engine, "skipped_steps", 0)
 
     def after_step(self, loss: float, grad_norm: float | None) -> dict:
@@ -380,7 +383,7 @@ class StepPolicy:
             opt is not None
             and (opt.skip or opt.nonfinite_grad or (opt.norm_of is not None and bad_norm))
         ) or (getattr(self.engine, "skipped_steps", 0) > self._ds_skipped)
-        skipped = skipped or (on_device and (bad_loss or self.is_spike(loss)))
+        skipped = skipped or (on_device and self._bad_loss(loss))
         if opt is not None:
             opt.skip = opt.nonfinite_grad = False
             opt.skip_if = None
