@@ -8,7 +8,7 @@ memory, which waits for the GPU), and before clipping asks ``bool()`` whether th
 (another wait). After each wait the GPU idles while the host launches the next small kernels.
 Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BENCHMARKS.md).
 
-``install(optimizer)`` replaces three methods on that one instance, with the same results:
+``install(optimizer)`` replaces four methods on that one instance, with the same results:
 
 - ``scaled_global_norm``: the step's norm over all groups in one pass (one multi-tensor kernel,
   one all-reduce per parallel group) instead of one per group; DeepSpeed's own under MoE.
@@ -23,6 +23,12 @@ Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BE
   With a fused AdamW under ``StepGuard`` the factor goes to the kernel as its ``grad_scale``
   (it divides each gradient as it reads it) instead of a separate pass over the fp32 gradients;
   otherwise the gradients are multiplied in place as DeepSpeed does.
+- ``_get_preflattened_grad_partition``: the flat gradient partition of a group handed to the
+  step already in the fp32 of the master weights, built by one multi-tensor copy, so DeepSpeed
+  neither concatenates the bf16 gradients nor widens them with ``.to(float32)`` (it finds
+  nothing left to do). A dtype-changing ``Tensor.to`` runs PyTorch's unrolled (non-vectorized)
+  copy kernel: 1.28 ms per 450 M elements on an H200 against 0.84 ms for
+  ``torch._foreach_copy_``. The values are the same bits.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 
 
 def install(optimizer) -> bool:
-    """Swap the three methods on ``optimizer`` when it is DeepSpeed's ZeRO 1/2 optimizer without
+    """Swap the four methods on ``optimizer`` when it is DeepSpeed's ZeRO 1/2 optimizer without
     CPU offload; returns whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -49,7 +55,47 @@ def install(optimizer) -> bool:
     optimizer.unscale_and_clip_grads = functools.partial(
         unscale_and_clip, optimizer, optimizer.unscale_and_clip_grads
     )
+    flat = getattr(optimizer, "_get_preflattened_grad_partition", None)  # DeepSpeed >= 0.18
+    if flat is not None:
+        optimizer._get_preflattened_grad_partition = functools.partial(
+            widened_partition, optimizer, flat
+        )
     return True
+
+
+def widened_partition(zopt, fallback, group_idx):
+    """This rank's flat gradient partition of one group, as DeepSpeed's step builds it (its
+    pre-flattened buffer, else the group's gradients concatenated and zero-padded to the
+    partition size), but made at once in the dtype of the group's master weights: one multi-
+    tensor copy instead of a concatenation and a dtype-changing ``Tensor.to``. The same values.
+    Whatever does not fit that pattern goes back to DeepSpeed unchanged."""
+    flat = fallback(group_idx)
+    dtype = zopt.single_partition_of_fp32_groups[group_idx].dtype
+    if flat is not None:
+        grads = [flat]
+    else:
+        grads = zopt.averaged_gradients.get(group_idx)
+        if not isinstance(grads, list) or not grads or not all(map(torch.is_tensor, grads)):
+            return None
+    if all(g.dtype == dtype for g in grads):
+        return flat
+    size = int(zopt.partition_size[group_idx])
+    sizes = [g.numel() for g in grads]
+    short = flat is None and sum(sizes) < size and not _last_rank(zopt, group_idx)
+    if sum(sizes) > size or short:
+        return flat  # DeepSpeed's own checks speak
+    wide = torch.empty(size, dtype=dtype, device=grads[0].device)
+    parts = list(wide.split([*sizes, size - sum(sizes)]))
+    torch._foreach_copy_(parts[: len(grads)], [g.reshape(-1) for g in grads])
+    parts[-1].zero_()  # DeepSpeed's alignment padding
+    return wide
+
+
+def _last_rank(zopt, group_idx) -> bool:
+    from deepspeed import comm as dist
+
+    group = zopt.real_dp_process_group[group_idx]
+    return dist.get_rank(group=group) == dist.get_world_size(group=group) - 1
 
 
 def _counted(zopt, gradients, params) -> list[torch.Tensor]:

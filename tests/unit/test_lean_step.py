@@ -12,8 +12,9 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
 
 
-def _cfg(tp=1, zero=1, **optim):
+def _cfg(tp=1, zero=1, bf16=False, **optim):
     return tiny_config(
+        train=dict(bf16=bf16),
         parallel=dict(tensor_model_parallel_size=tp),
         optim=dict(zero_stage=zero, optimizer_group_max_numel=5000, **optim),
     )
@@ -131,13 +132,62 @@ def test_clip_factor_goes_to_a_fused_adamw():
     assert not torch.allclose(opt.state[p]["exp_avg"], results[1][1], rtol=0.1)
 
 
-def _train(cfg, lean: bool):
+def _train(cfg, mode: str):
+    """Train ``cfg``: ``lean`` (as installed), ``deepspeed`` (DeepSpeed's own step), or
+    ``unwidened`` (lean, DeepSpeed's own concatenation and ``.to``); the history and the dtypes
+    of the gradient partitions the lean step handed over."""
     import megafp8.optim.lean_step as L
     import megafp8.train as T
 
-    if not lean:
+    widened = []
+    if mode == "deepspeed":
         L.install = lambda opt: False
-    return [(r["lm loss"], r["grad norm"]) for r in T.train(cfg)]
+    elif mode == "unwidened":
+        L.widened_partition = lambda zopt, fallback, i: fallback(i)
+    else:
+        plain = L.widened_partition
+
+        def counted(zopt, fallback, i):
+            out = plain(zopt, fallback, i)
+            widened.append(None if out is None else out.dtype)
+            return out
+
+        L.widened_partition = counted
+    hist = [(r["lm loss"], r["grad norm"]) for r in T.train(cfg)]
+    return hist, widened
+
+
+def test_widened_partition_is_deepspeeds_flat_fp32_gradient(monkeypatch):
+    """A pre-flattened bf16 buffer: a new fp32 tensor of its values. Else the group's bf16
+    gradients concatenated, zero-padded to the partition size on the last rank (DeepSpeed's
+    ``flatten_dense_tensors_aligned``): the same values as DeepSpeed's ``cat`` then ``.to``.
+    Already fp32, absent, or not DeepSpeed's shape: handed back unchanged."""
+    import types
+
+    from megafp8.optim import lean_step
+
+    flat = (torch.randn(1000) * 1e-3).bfloat16()
+    grads = [(torch.randn(s) * 1e-3).bfloat16() for s in ((6, 5), (7,), (3, 4))]
+    zopt = types.SimpleNamespace(
+        single_partition_of_fp32_groups=[torch.zeros(1000), torch.zeros(52)],
+        partition_size=[1000, 52],
+        averaged_gradients={0: None, 1: grads},
+    )
+    wide = lean_step.widened_partition(zopt, lambda i: flat, 0)
+    assert wide.dtype == torch.float32 and torch.equal(wide, flat.float())
+    assert wide.data_ptr() != flat.data_ptr()
+    monkeypatch.setattr(lean_step, "_last_rank", lambda z, i: True)
+    wide = lean_step.widened_partition(zopt, lambda i: None, 1)
+    ref = torch.cat([*(g.reshape(-1) for g in grads), torch.zeros(3, dtype=torch.bfloat16)])
+    assert wide.dtype == torch.float32 and torch.equal(wide, ref.to(torch.float32))
+    # short of the partition size, and not the last rank: DeepSpeed's assertion speaks
+    monkeypatch.setattr(lean_step, "_last_rank", lambda z, i: False)
+    assert lean_step.widened_partition(zopt, lambda i: None, 1) is None
+    same = torch.randn(1000)
+    assert lean_step.widened_partition(zopt, lambda i: same, 0) is same
+    assert lean_step.widened_partition(zopt, lambda i: None, 0) is None
+    zopt.averaged_gradients[1] = grads + [torch.zeros(10, dtype=torch.bfloat16)]  # too many
+    assert lean_step.widened_partition(zopt, lambda i: None, 1) is None
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -145,10 +195,21 @@ def test_training_matches_deepspeeds_step(zero):
     """Five iterations at dp 2, clipping active (clip 0.05): the losses and grad norms of the
     lean step and of DeepSpeed's own agree to the norm's fp32-vs-fp64 rounding."""
     cfg = _cfg(1, zero, clip_grad=0.05)
-    lean = run_distributed(_train, 2, cfg, True)[0]
-    ref = run_distributed(_train, 2, cfg, False)[0]
+    lean, _ = run_distributed(_train, 2, cfg, "lean")[0]
+    ref, _ = run_distributed(_train, 2, cfg, "deepspeed")[0]
     assert len(lean) == len(ref) == 5
     assert all(gn > 0.05 for _, gn in ref)  # every step clipped
     for (la, ga), (lb, gb) in zip(lean, ref, strict=True):
         assert la == pytest.approx(lb, rel=1e-5)
         assert ga == pytest.approx(gb, rel=1e-5)
+
+
+def test_widened_gradients_train_bit_for_bit_as_deepspeeds_widening():
+    """ZeRO 1 in bf16 at dp 2: every flat gradient partition reaches the step in fp32 from the
+    multi-tensor copy, and the five iterations' losses and grad norms are exactly those of the
+    same step with DeepSpeed's ``cat`` and ``.to`` (the same values, so the same bits)."""
+    cfg = _cfg(1, 1, True, clip_grad=0.05)
+    lean, widened = run_distributed(_train, 2, cfg, "lean")[0]
+    ref, none = run_distributed(_train, 2, cfg, "unwidened")[0]
+    assert len(widened) >= 5 and set(widened) == {torch.float32} and not none
+    assert len(lean) == 5 and lean == ref
