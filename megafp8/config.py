@@ -220,6 +220,7 @@ class OptimConfig:
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float = _f(0.0, "learning rate at the end of the decay")
     lr_warmup_iters: int = _f(0, "linear warmup iterations")
+    lr_warmup_init: float = _f(0.0, "lr of the warmup's first iteration (it rises linearly to lr)")
     lr_decay_iters: int | None = _f(None, "iterations of warmup + decay (None: train_iters)")
     lr_decay_style: str = _f(
         "cosine", "decay after warmup", ("constant", "linear", "cosine", "WSD")

@@ -320,7 +320,8 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             "lm loss": loss,
             "grad norm": gnorm,
             "skipped": verdict["skipped"],
-            "learning rate": learning_rate(cfg.optim, run.iteration - 1, t.train_iters),
+            # as Megatron-LM's line: the lr the schedule holds after this step (the next one's)
+            "learning rate": learning_rate(cfg.optim, run.iteration, t.train_iters),
         }
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
             dt = timer.elapsed() / lg.log_interval

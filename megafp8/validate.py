@@ -303,6 +303,10 @@ def _optim(cfg: Config, e: list[str]) -> None:
         e.append(f"need 0 <= min_lr <= lr, got lr={o.lr}, min_lr={o.min_lr}")
     if o.lr_warmup_iters < 0:
         e.append(f"lr_warmup_iters={o.lr_warmup_iters} must be >= 0")
+    if not 0 <= o.lr_warmup_init <= o.lr:
+        e.append(
+            f"need 0 <= lr_warmup_init <= lr, got lr_warmup_init={o.lr_warmup_init}, lr={o.lr}"
+        )
     if o.clip_grad < 0:
         e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
 

@@ -1,6 +1,9 @@
 """Learning-rate schedule (Megatron's): linear warmup, then constant / linear / cosine / WSD decay.
 
-warmup:  lr * (it + 1) / warmup            for it < warmup
+``it`` is the 0-based count of steps taken before this one, Megatron's scheduler count: with
+warmup the first step runs at ``init`` and the lr reaches its peak at ``it = warmup``.
+
+warmup:  init + (lr - init) * it / warmup   for it <= warmup (init: --lr-warmup-init, 0)
 decay:   r = (it - warmup) / (decay_iters - warmup), clipped to [0, 1]
          linear  min + (lr - min) * (1 - r)
          cosine  min + (lr - min) * 0.5 * (1 + cos(pi r))
@@ -28,8 +31,9 @@ def _anneal(style: str, r: float) -> float:
 def learning_rate(o, it: int, train_iters: int) -> float:
     """The lr for iteration ``it`` (0-based) from an ``OptimConfig``."""
     decay_iters = o.lr_decay_iters or train_iters
-    if o.lr_warmup_iters and it < o.lr_warmup_iters:
-        return o.lr * (it + 1) / o.lr_warmup_iters
+    if o.lr_warmup_iters and it <= o.lr_warmup_iters:
+        init = o.lr_warmup_init
+        return init + (o.lr - init) * it / o.lr_warmup_iters
     if o.lr_decay_style == "constant":
         return o.lr
     if it >= decay_iters:

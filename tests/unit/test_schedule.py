@@ -2,7 +2,7 @@
 
 Every test uses lr = 1.0, min_lr = 0.1 and 4 warmup iterations, so (lr - min_lr) = 0.9 and
 
-    warmup (it < 4):   lr * (it + 1) / 4
+    warmup (it <= 4):  init + (lr - init) * it / 4   (init = lr_warmup_init, 0 unless set)
     linear:            0.1 + 0.9 * (1 - r)
     cosine:            0.1 + 0.9 * (1 + cos(pi r)) / 2
     exponential (WSD): 0.1 + 0.9 * (2 * 0.5**r - 1)
@@ -33,10 +33,17 @@ def lrs(o, its, train=TRAIN):
 
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "WSD"])
-def test_linear_warmup_reaches_lr_on_its_last_iteration(style):
-    """Warmup is lr * (it + 1) / warmup whatever the decay style: 0.25, 0.5, 0.75, 1.0."""
-    got = lrs(opt(lr_decay_style=style), range(4))
-    assert got == pytest.approx([0.25, 0.5, 0.75, 1.0], abs=1e-15)
+def test_linear_warmup_from_zero_reaches_lr_at_warmup(style):
+    """Megatron-LM's warmup, whatever the decay style: the first step at 0, then 0.25, 0.5,
+    0.75, and 1.0 at it = 4 (its scheduler has taken 4 steps)."""
+    got = lrs(opt(lr_decay_style=style), range(5))
+    assert got == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0], abs=1e-15)
+
+
+def test_warmup_starts_at_lr_warmup_init():
+    """--lr-warmup-init 0.2: 0.2 + 0.8 * it / 4 -> 0.2, 0.4, 0.6, 0.8, 1.0."""
+    got = lrs(opt(lr_warmup_init=0.2, lr_decay_style="linear"), range(5))
+    assert got == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0], abs=1e-15)
 
 
 def test_no_warmup_starts_at_lr():
@@ -107,12 +114,47 @@ def test_wsd_default_anneal_is_a_tenth_of_the_post_warmup_span():
 
 
 def test_warmup_then_decay_is_continuous_at_the_boundary():
-    """The last warmup iteration and the first decay iteration both run at the peak lr."""
+    """The peak lr is reached once, at it = 4, where warmup ends and decay starts (r = 0)."""
     for style in ("linear", "cosine"):
         o = opt(lr_decay_style=style)
-        assert learning_rate(o, 3, TRAIN) == learning_rate(o, 4, TRAIN) == 1.0
+        assert learning_rate(o, 3, TRAIN) == 0.75 and learning_rate(o, 4, TRAIN) == 1.0
+        assert learning_rate(o, 5, TRAIN) < 1.0
 
 
 def test_unknown_style_raises():
     with pytest.raises(ValueError, match="unknown decay style"):
         learning_rate(opt(lr_decay_style="step"), 10, TRAIN)
+
+
+def _first_steps(cfg):
+    """Train ``cfg`` in one process: its records, and whether the weights after the run are the
+    initial ones bit for bit."""
+    import torch
+
+    import megafp8.train as T
+
+    groups, device = T.init_distributed(cfg)
+    run = T.build_run(cfg, groups, device)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    recs = T.train(cfg, run)
+    same = all(torch.equal(a, b) for a, b in zip(before, run.model.parameters(), strict=True))
+    return [r["learning rate"] for r in recs], same
+
+
+def test_training_takes_its_first_step_at_the_warmup_init_and_logs_the_next_lr():
+    """As Megatron-LM: with 2 warmup iterations from 0 the first step changes no weight (lr 0,
+    so no decay either); the console line of iteration k shows the lr after its step,
+    learning_rate(k): 0.5e-3 and 1e-3 for iterations 1 and 2. A second step does move them."""
+    from tests.helpers.dist import run_distributed
+    from tests.helpers.tiny import tiny_config
+
+    def cfg(iters):
+        return tiny_config(
+            train=dict(micro_batch_size=2, global_batch_size=4, train_iters=iters, seed=7),
+            optim=dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, zero_stage=1),
+        )
+
+    one, unchanged = run_distributed(_first_steps, 1, cfg(1))[0]
+    assert unchanged and one == pytest.approx([0.5e-3], abs=1e-15)
+    two, unchanged = run_distributed(_first_steps, 1, cfg(2))[0]
+    assert not unchanged and two == pytest.approx([0.5e-3, 1e-3], abs=1e-15)
