@@ -204,11 +204,12 @@ def test_training_matches_deepspeeds_step(zero):
         assert ga == pytest.approx(gb, rel=1e-5)
 
 
-def test_widened_gradients_train_bit_for_bit_as_deepspeeds_widening():
-    """ZeRO 1 in bf16 at dp 2: every flat gradient partition reaches the step in fp32 from the
-    multi-tensor copy, and the five iterations' losses and grad norms are exactly those of the
-    same step with DeepSpeed's ``cat`` and ``.to`` (the same values, so the same bits)."""
-    cfg = _cfg(1, 1, True, clip_grad=0.05)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_widened_gradients_train_bit_for_bit_as_deepspeeds_widening(zero):
+    """ZeRO 1 and 2 in bf16 at dp 2: every flat gradient partition reaches the step in fp32 from
+    the multi-tensor copy, and the five iterations' losses and grad norms are exactly those of
+    the same step with DeepSpeed's ``cat`` and ``.to`` (the same values, so the same bits)."""
+    cfg = _cfg(1, zero, True, clip_grad=0.05)
     lean, widened = run_distributed(_train, 2, cfg, "lean")[0]
     ref, none = run_distributed(_train, 2, cfg, "unwidened")[0]
     assert len(widened) >= 5 and set(widened) == {torch.float32} and not none
