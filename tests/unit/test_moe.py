@@ -140,7 +140,9 @@ def _losses(cfg):
 def test_moe_trains_and_dp_pp_equal_one_process():
     """5 steps, top-2 of 4 experts with aux and z losses: one process learns; DP 2 (ZeRO 1 and 2)
     and PP 2 give its losses (fp32: DP averaging reorders sums, ~1e-6 after Adam, as
-    test_tp_dp_zero.py; PP alone is the same ops: bit-identical)."""
+    test_tp_dp_zero.py). PP runs the same ops, so its first loss is the same bits; but the
+    gradient norm is summed per stage and then over the stages, another order, so with clipping
+    active the clip factor can differ in its last bit: the same 2e-5 after that."""
     cfg = _cfg(num_layers=2)
     ref = run_distributed(_losses, 1, cfg)[0]
     assert len(ref) == 5 and ref[-1] < ref[0]
@@ -148,7 +150,7 @@ def test_moe_trains_and_dp_pp_equal_one_process():
         got = run_distributed(_losses, 2, cfg.replace(optim=dict(zero_stage=zero)))[0]
         assert got == pytest.approx(ref, rel=2e-5), zero
     got = run_distributed(_losses, 2, cfg.replace(parallel=dict(pipeline_model_parallel_size=2)))
-    assert got[0] == ref
+    assert got[0][0] == ref[0] and got[0] == pytest.approx(ref, rel=2e-5)
 
 
 def test_moe_fp8_trains():
