@@ -223,7 +223,9 @@ class OptimConfig:
     lr_warmup_init: float = _f(0.0, "lr of the warmup's first iteration (it rises linearly to lr)")
     lr_decay_iters: int | None = _f(None, "iterations of warmup + decay (None: train_iters)")
     lr_decay_style: str = _f(
-        "cosine", "decay after warmup", ("constant", "linear", "cosine", "WSD")
+        "cosine",
+        "decay after warmup",
+        ("constant", "linear", "cosine", "WSD", "inverse-square-root"),
     )
     lr_wsd_decay_iters: int | None = _f(None, "WSD: iterations of the final anneal")
     lr_wsd_decay_style: str = _f(

@@ -163,13 +163,20 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     return Run(cfg, groups, model, engine, backend, rng, data, device)
 
 
-def _lrs(cfg: Config, iteration: int) -> tuple[float, float | None]:
-    """This iteration's lr, and the decoupled lr of the embedding and output layer."""
+def schedule_steps(run: Run) -> int:
+    """The steps the lr schedule has taken: the iterations whose update happened (a skipped
+    update leaves the schedule where it was, as Megatron-LM's skipped iterations do)."""
+    return run.iteration - (run.policy.skipped if run.policy is not None else 0)
+
+
+def _lrs(cfg: Config, steps: int) -> tuple[float, float | None]:
+    """The lr after ``steps`` schedule steps, and the decoupled lr of the embedding and output
+    layer."""
     o, n = cfg.optim, cfg.train.train_iters
     if o.decoupled_lr is None:
-        return learning_rate(o, iteration, n), None
+        return learning_rate(o, steps, n), None
     dec = dataclasses.replace(o, lr=o.decoupled_lr, min_lr=o.decoupled_min_lr or o.min_lr)
-    return learning_rate(o, iteration, n), learning_rate(dec, iteration, n)
+    return learning_rate(o, steps, n), learning_rate(dec, steps, n)
 
 
 def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
@@ -181,7 +188,7 @@ def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
     the global batch (all micro-batches, all DP ranks) over their number: each micro-batch's
     loss is weighted by its token count before the backward (DeepSpeed divides by the
     accumulation steps and averages over DP, which the weight undoes)."""
-    set_lr(run.engine, *_lrs(run.cfg, run.iteration))
+    set_lr(run.engine, *_lrs(run.cfg, schedule_steps(run)))
     out = train_iteration(run, train_iter, hooks)
     m = run.cfg.model
     if m.moe_router_enable_expert_bias:  # aux-loss-free balancing: after the step
@@ -321,7 +328,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             "grad norm": gnorm,
             "skipped": verdict["skipped"],
             # as Megatron-LM's line: the lr the schedule holds after this step (the next one's)
-            "learning rate": learning_rate(cfg.optim, run.iteration, t.train_iters),
+            "learning rate": learning_rate(cfg.optim, schedule_steps(run), t.train_iters),
         }
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
             dt = timer.elapsed() / lg.log_interval

@@ -307,6 +307,11 @@ def _optim(cfg: Config, e: list[str]) -> None:
         e.append(
             f"need 0 <= lr_warmup_init <= lr, got lr_warmup_init={o.lr_warmup_init}, lr={o.lr}"
         )
+    if o.lr_decay_style == "inverse-square-root" and o.lr_warmup_iters <= 0:
+        e.append(
+            "lr_decay_style=inverse-square-root decays as lr * sqrt(warmup / iteration): it "
+            f"needs lr_warmup_iters > 0, got {o.lr_warmup_iters}"
+        )
     if o.clip_grad < 0:
         e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
 

@@ -1,4 +1,5 @@
-"""Learning-rate schedule (Megatron's): linear warmup, then constant / linear / cosine / WSD decay.
+"""Learning-rate schedule (Megatron's): linear warmup, then constant / linear / cosine / WSD /
+inverse-square-root decay.
 
 ``it`` is the 0-based count of steps taken before this one, Megatron's scheduler count: with
 warmup the first step runs at ``init`` and the lr reaches its peak at ``it = warmup``.
@@ -8,6 +9,8 @@ decay:   r = (it - warmup) / (decay_iters - warmup), clipped to [0, 1]
          linear  min + (lr - min) * (1 - r)
          cosine  min + (lr - min) * 0.5 * (1 + cos(pi r))
          WSD     lr until decay_iters - wsd_iters, then the chosen anneal to min over wsd_iters
+         inverse-square-root  max(min, lr * sqrt(warmup / it))   (needs warmup > 0)
+after decay_iters: min (constant: lr throughout)
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ def learning_rate(o, it: int, train_iters: int) -> float:
         return init + (o.lr - init) * it / o.lr_warmup_iters
     if o.lr_decay_style == "constant":
         return o.lr
-    if it >= decay_iters:
+    if it > decay_iters:
         return o.min_lr
+    if o.lr_decay_style == "inverse-square-root":
+        return max(o.min_lr, o.lr * math.sqrt(o.lr_warmup_iters / it))
     if o.lr_decay_style == "WSD":
         wsd = o.lr_wsd_decay_iters or max(1, (decay_iters - o.lr_warmup_iters) // 10)
         start = decay_iters - wsd

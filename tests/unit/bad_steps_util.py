@@ -56,7 +56,8 @@ def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None, fu
     ``fused``: the AdamW made fused (as on the GPU), so the policy judges the loss on the device.
 
     Returns (history, {iteration: weights and optimizer state unchanged by it}, log lines of
-    rank 0, error message or None)."""
+    rank 0, error message or None); each history record also holds the lr its step ran with
+    ("applied lr")."""
     import torch.distributed as dist
 
     import megafp8.train as T
@@ -93,12 +94,14 @@ def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None, fu
 
     run.model.forward = forward
     unchanged: dict = {}
+    applied: dict = {}
     step = T.train_step
 
     def train_step(r, it, hooks=None):
         before = snapshot(r)
         out = step(r, it, hooks)
         unchanged[r.iteration + 1] = same(before, snapshot(r))
+        applied[r.iteration + 1] = r.engine.optimizer.param_groups[0]["lr"]
         return out
 
     T.train_step = train_step
@@ -114,4 +117,6 @@ def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None, fu
     finally:
         T.train_step = step
         lg.removeHandler(cap)
+    for rec in hist:
+        rec["applied lr"] = applied[rec["iteration"]]
     return hist, unchanged, cap.lines if me == 0 else [], err

@@ -1,10 +1,12 @@
 """Bad steps at pp = 1: a NaN loss or gradient stops the run naming the iteration, or (skip) its
 update does not happen: weights, ZeRO's fp32 partitions and Adam's moments and step counts are
 bit-identical across it, on every rank, while the iterations around it train; a loss spike is
-skipped the same way; both are counted in the console line (Megatron's fields)."""
+skipped the same way; both are counted in the console line (Megatron's fields), and neither
+moves the lr schedule (Megatron-LM's skipped iterations)."""
 
 import pytest
 
+from megafp8.optim.schedule import learning_rate
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
 from tests.unit.bad_steps_util import train_injected
@@ -39,6 +41,12 @@ def test_nan_on_one_rank_and_spike_are_skipped(zero):
         assert unchanged == {1: False, 2: False, 3: True, 4: False, 5: True, 6: False}
         assert [r["skipped"] for r in hist] == [False, False, True, False, True, False]
         assert [r["iteration"] for r in hist] == [1, 2, 3, 4, 5, 6]  # the counter moves on
+        # the schedule does not: steps taken after iterations 1-6 are 1, 2, 2, 3, 3, 4, and
+        # each step runs at the lr of the steps taken before it
+        lr = [learning_rate(cfg.optim, k, 6) for k in range(5)]
+        assert len(set(lr)) == 5  # warmup 1, then cosine: each step's lr differs
+        assert [r["applied lr"] for r in hist] == [lr[0], lr[1], lr[2], lr[2], lr[3], lr[3]]
+        assert [r["learning rate"] for r in hist] == [lr[1], lr[2], lr[2], lr[3], lr[3], lr[4]]
     lines = got[0][2]
     assert [_counts(lines, i) for i in range(1, 7)] == [(0, 0), (0, 0), (1, 1), (0, 0), (1, 0),
                                                         (0, 0)]  # fmt: skip

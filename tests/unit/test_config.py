@@ -62,6 +62,11 @@ BAD = [
     (dict(train=dict(most_recent_k=0)), 1, "most_recent_k=0 must be >= 1"),
     (dict(optim=dict(min_lr=1.0)), 1, "min_lr <= lr"),
     (dict(optim=dict(lr_warmup_init=1.0)), 1, "lr_warmup_init <= lr, got lr_warmup_init=1.0"),
+    (
+        dict(optim=dict(lr_decay_style="inverse-square-root", lr_warmup_iters=0)),
+        1,
+        "needs lr_warmup_iters > 0, got 0",
+    ),
     (dict(optim=dict(optimizer_group_max_numel=-1)), 1, "optimizer_group_max_numel=-1: give"),
     (dict(fp8=dict(fp8_recipe="bogus")), 1, "fp8_recipe='bogus' must be one of"),
     (

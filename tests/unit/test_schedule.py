@@ -7,6 +7,7 @@ Every test uses lr = 1.0, min_lr = 0.1 and 4 warmup iterations, so (lr - min_lr)
     cosine:            0.1 + 0.9 * (1 + cos(pi r)) / 2
     exponential (WSD): 0.1 + 0.9 * (2 * 0.5**r - 1)
     minus_sqrt (WSD):  0.1 + 0.9 * (1 - sqrt(r))
+    inverse-square-root: max(0.1, sqrt(4 / it))
 
 with r = (it - 4) / (decay_iters - 4) for linear/cosine and r = (it - start) / wsd_iters with
 start = decay_iters - wsd_iters for WSD. The expected numbers below are written as those
@@ -32,7 +33,7 @@ def lrs(o, its, train=TRAIN):
     return [learning_rate(o, it, train) for it in its]
 
 
-@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "WSD"])
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "WSD", "inverse-square-root"])
 def test_linear_warmup_from_zero_reaches_lr_at_warmup(style):
     """Megatron-LM's warmup, whatever the decay style: the first step at 0, then 0.25, 0.5,
     0.75, and 1.0 at it = 4 (its scheduler has taken 4 steps)."""
@@ -119,6 +120,18 @@ def test_warmup_then_decay_is_continuous_at_the_boundary():
         o = opt(lr_decay_style=style)
         assert learning_rate(o, 3, TRAIN) == 0.75 and learning_rate(o, 4, TRAIN) == 1.0
         assert learning_rate(o, 5, TRAIN) < 1.0
+
+
+def test_inverse_square_root_decays_from_the_warmup_and_floors_at_min_lr():
+    """sqrt(4 / it): 1.0 at it = 4, 1/2 at 16, 1/4 at 64 (r is unused); past decay_iters (20
+    here) min_lr; within them the floor is min_lr (0.25 -> 0.3 with min_lr 0.3, at it = 64 with
+    decay_iters 100). At it = decay_iters itself the formula still holds (sqrt(4 / 20)), as in
+    Megatron-LM, whose min_lr starts after its decay steps."""
+    o = opt(lr_decay_style="inverse-square-root")
+    assert lrs(o, [4, 16, 20, 21]) == pytest.approx([1.0, 0.5, (4 / 20) ** 0.5, 0.1], abs=1e-15)
+    assert lrs(o, [64], train=100) == pytest.approx([0.25], abs=1e-15)
+    floor = opt(lr_decay_style="inverse-square-root", min_lr=0.3)
+    assert lrs(floor, [16, 64], train=100) == pytest.approx([0.5, 0.3], abs=1e-15)
 
 
 def test_unknown_style_raises():
