@@ -274,6 +274,10 @@ class DataConfig:
     vocab_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 vocab.json")
     merge_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 merges.txt")
     eod_mask_loss: bool = _f(False, "no loss where the input token is the EOD (document ends)")
+    reset_position_ids: bool = _f(False, "positions restart at 0 after each EOD")
+    reset_attention_mask: bool = _f(
+        False, "a token attends only to its own document (the EOD ends the one before)"
+    )
     data_cache_path: str | None = _f(
         None, "where sample indices are cached (None: beside the data)"
     )

@@ -120,18 +120,6 @@ TABLE = [
         "refuse",
         "batch ramp-up is not supported: give a constant --global-batch-size",
     ),
-    _f(
-        "reset-position-ids",
-        "switch",
-        "refuse",
-        "not supported: positions run over the whole sample, across EOD (Megatron's default)",
-    ),
-    _f(
-        "reset-attention-mask",
-        "switch",
-        "refuse",
-        "not supported: attention spans the whole sample, across EOD (Megatron's default)",
-    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}

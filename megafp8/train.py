@@ -149,7 +149,13 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         wgrad_fusion=wgrad_fusion(cfg),
     )
     model = build_model(
-        cfg, backend=backend, groups=groups, vocab_size=cfg.model.vocab_size, device=device, rng=rng
+        cfg,
+        backend=backend,
+        groups=groups,
+        vocab_size=cfg.model.vocab_size,
+        device=device,
+        rng=rng,
+        eod=tok.eod,
     )
     _log_model_size(model, cfg.model.vocab_size, groups)
     engine = build_engine(model, cfg, groups)

@@ -354,6 +354,12 @@ def _data(cfg: Config, e: list[str]) -> None:
         e.append(f"save_retain_interval={t.save_retain_interval} must be >= 1")
     if t.save_interval and not t.save:
         e.append(f"save_interval={t.save_interval} needs save (--save DIR)")
+    ab = cfg.model.attention_backend
+    if d.reset_attention_mask and ab not in ("auto", "local"):
+        e.append(
+            f"reset_attention_mask needs attention_backend auto or local, got {ab}: the "
+            "documents' mask runs through torch's SDPA"
+        )
 
 
 def validate(cfg: Config, world_size: int) -> int:

@@ -78,22 +78,28 @@ class SdpaAttention(nn.Module):
     """Causal softmax(q k^T / sqrt(d)) v of this rank's heads with torch's SDPA. Grouped-query:
     ``kv_heads`` < ``heads``, each kv head serving ``heads / kv_heads`` query heads. Dropout on the
     attention probabilities runs on the TP RNG stream (each rank's heads differ, as one process's
-    heads do)."""
+    heads do). ``mask`` [b, 1, s, s] (True: attend) replaces the causal mask (the documents of
+    ``--reset-attention-mask``); grouped-query k and v are then repeated per query head, since
+    SDPA's memory-efficient kernel, the one that takes a mask, does not group heads itself."""
 
     def __init__(self, heads: int, head_dim: int, kv_heads: int, dropout: float, rng=None):
         super().__init__()
         self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
         self.dropout, self.rng = dropout, rng
 
-    def forward(self, q, k, v):  # q [s, b, np, hd], k/v [s, b, kvp, hd] -> [s, b, np*hd]
+    def forward(self, q, k, v, mask=None):  # q [s, b, np, hd], k/v [s, b, kvp, hd]
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hd]
         p = self.dropout if self.training else 0.0
         gqa = self.kv_heads != self.heads
+        if mask is not None and gqa:
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
         fork = self.rng.fork(TP_STREAM) if p > 0 and self.rng is not None else None
         with fork or contextlib.nullcontext():
             o = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=gqa
             )  # [b, np, s, hd]
         return o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, np*hd]
 
@@ -187,14 +193,23 @@ class Backend:
         return nn.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
 
     def make_core_attention(
-        self, heads: int, head_dim: int, kv_heads: int, *, dropout: float, rng=None
+        self,
+        heads: int,
+        head_dim: int,
+        kv_heads: int,
+        *,
+        dropout: float,
+        rng=None,
+        document_mask: bool = False,
     ) -> nn.Module:
         """Causal attention of this rank's heads: (q [s,b,np,hd], k, v [s,b,kvp,hd]) ->
-        [s, b, np*hd]."""
+        [s, b, np*hd]; with ``document_mask`` it also takes ``mask`` [b, 1, s, s]."""
         return SdpaAttention(heads, head_dim, kv_heads, dropout, rng)
 
     def rope_tables(self, seq: int, dim: int, base: float, device) -> tuple:
-        """What ``rope`` and ``split_qkv`` take for positions 0..seq-1 (here cos and sin)."""
+        """What ``rope`` and ``split_qkv`` take for positions 0..seq-1 (here cos and sin), each
+        [seq, 1, 1, dim]; ``rope`` and ``split_qkv`` also take them gathered per sample
+        [s, b, 1, dim] (model/documents.py: ``gather_tables``)."""
         return rope_tables(seq, dim, base, device)
 
     def rope(self, x: torch.Tensor, *tables) -> torch.Tensor:

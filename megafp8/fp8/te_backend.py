@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from megafp8.fp8.backend import Backend, SdpaAttention, layer_name, rope_angles
+from megafp8.fp8.backend import Backend, SdpaAttention, apply_rope, layer_name, rope_angles
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.fp8.te_modules import TEFusedMLP, TEGroupedLinear, TELinear, WeightCache
 from megafp8.parallel import mappings as M
@@ -158,8 +158,12 @@ class TEBackend(Backend):
             device=device or "cuda",
         )
 
-    def make_core_attention(self, heads, head_dim, kv_heads, *, dropout, rng=None):
-        if self.attention_backend == "local":  # Megatron's "local": the framework's own attention
+    def make_core_attention(
+        self, heads, head_dim, kv_heads, *, dropout, rng=None, document_mask=False
+    ):
+        # Megatron's "local": the framework's own attention; the documents' mask goes to torch's
+        # SDPA as well (validate.py refuses it with a TE kernel named)
+        if self.attention_backend == "local" or document_mask:
             return SdpaAttention(heads, head_dim, kv_heads, dropout, rng)
         # [s, b, np, hd] in, [s, b, np*hd] out; TE copies a layout it cannot read
         return self.te.DotProductAttention(
@@ -175,6 +179,8 @@ class TEBackend(Backend):
         return (rope_angles(seq, dim, base, device).contiguous(),)  # TE's kernels take angles
 
     def rope(self, x, freqs):
+        if freqs.shape[1] > 1:  # per-sample positions: TE's kernel takes one row per position
+            return apply_rope(x, freqs.cos(), freqs.sin())
         from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 
         return apply_rotary_pos_emb(x, freqs, tensor_format="sbhd", fused=True)
@@ -194,6 +200,8 @@ class TEBackend(Backend):
             q, k, v = SplitAlongDim.apply(parts, 3, [heads_per_group, 1, 1])
             # q a view when hpg == 1; grouped-query q is a copy (see Backend.split_qkv)
             return q.reshape(s, b, g * heads_per_group, hd), k.squeeze(3), v.squeeze(3)
+        if rope[0].shape[1] > 1:  # per-sample positions (documents): torch's split and RoPE
+            return Backend.split_qkv(self, qkv, heads_per_group, rope)
         from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
         s, b = qkv.shape[:2]

@@ -9,6 +9,8 @@ separate KV projection holds that group's rows, and their gradient is summed ove
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -121,10 +123,13 @@ class SelfAttention(nn.Module):
             **{**kw, "std": m.init_method_std / (2.0 * m.num_layers) ** 0.5},
         )
         self.core = backend.make_core_attention(
-            self.np, self.hd, self.kvp, dropout=self.dropout, rng=rng
-        )
+            self.np, self.hd, self.kvp, dropout=self.dropout, rng=rng,
+            document_mask=cfg.data.reset_attention_mask,
+        )  # fmt: skip
 
-    def forward(self, x, rope=None):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
+    def forward(self, x, rope=None, mask=None):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
+        """``rope``: the backend's tables, [s, 1, 1, d] or per sample [s, b, 1, d]; ``mask``: the
+        documents' attention mask [b, 1, s, s] (model/documents.py), None: causal."""
         if self.fused:
             qkv = self.qkv(x)  # [s, b, kvp * (hpg + 2) * hd]
             s, b = qkv.shape[:2]
@@ -139,8 +144,9 @@ class SelfAttention(nn.Module):
             k, v = kv[:, :, 0:1], kv[:, :, 1:2]  # [s, b, 1, hd]
             if rope is not None:
                 q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
+        core = self.core if mask is None else functools.partial(self.core, mask=mask)
         if self.recompute is not None:  # keep q, k, v; the attention runs again in backward
-            ctx = self.recompute(self.core, q, k, v)  # [s, b, np*hd]
+            ctx = self.recompute(core, q, k, v)  # [s, b, np*hd]
         else:
-            ctx = self.core(q, k, v)
+            ctx = core(q, k, v)
         return self.proj(ctx)

@@ -110,7 +110,7 @@ class TransformerBlock(nn.Module):
             return module
         return lambda *args: rc(module, *args)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:  # [s(/tp), b, h]
         norm1, norm2 = self._part("layernorm", self.norm1), self._part("layernorm", self.norm2)
-        x = x + self._drop(self.attn(norm1(x), rope))
+        x = x + self._drop(self.attn(norm1(x), rope, mask))
         return x + self._drop(self._part("mlp", self.mlp)(norm2(x)))

@@ -17,6 +17,7 @@ from torch import nn
 
 from megafp8.config import Config, padded_vocab_size
 from megafp8.model.block import TransformerBlock, make_norm
+from megafp8.model.documents import document_mask, document_positions, gather_tables
 from megafp8.model.recompute import Recompute
 from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import (
@@ -61,9 +62,13 @@ class GPTModel(nn.Module):
         device=None,
         rng=None,
         stage: Stage | None = None,
+        eod: int | None = None,
     ):
         super().__init__()
         m = cfg.model
+        # documents inside a sample (model/documents.py): found from the EOD id in the tokens
+        self.eod, d = eod, cfg.data
+        self.reset_positions, self.reset_mask = d.reset_position_ids, d.reset_attention_mask
         self.stage = stage = stage or Stage.whole(m.num_layers)
         self.cfg, self.groups, self.rng, self.backend = cfg, groups, rng, backend
         self.sp = cfg.parallel.sequence_parallel
@@ -151,11 +156,26 @@ class GPTModel(nn.Module):
             return self.output
         return self.embedding.weight if self.stage.first else self.tied_output_weight
 
-    def _rope(self, s, device):
+    def _rope(self, s, device, positions=None):
         if self.rope is None or self.rope[0].shape[0] < s or self.rope[0].device != device:
             n = max(s, self.cfg.model.seq_length)
             self.rope = self.backend.rope_tables(n, *self._rope_cfg, device)
+        if positions is not None:  # each sample its own positions: [s, b, 1, d]
+            return gather_tables(self.rope, positions)
         return tuple(t[:s] for t in self.rope)
+
+    def _documents(self, tokens):
+        """(positions [b, s] or None, attention mask [b, 1, s, s] or None) of the documents in
+        the samples, where ``--reset-position-ids`` / ``--reset-attention-mask`` ask for them."""
+        if not (self.reset_positions or self.reset_mask):
+            return None, None
+        if self.eod is None:
+            raise ValueError(
+                "reset_position_ids / reset_attention_mask find documents by the EOD id: build "
+                "the model with eod=<the tokenizer's EOD id>"
+            )
+        pos = document_positions(tokens, self.eod) if self.reset_positions else None
+        return pos, document_mask(tokens, self.eod) if self.reset_mask else None
 
     def forward(self, tokens, labels=None, loss_mask=None, hidden=None):
         """tokens, labels, loss_mask: [b, s]. Returns the mean masked loss (or the vocab-split
@@ -163,11 +183,14 @@ class GPTModel(nn.Module):
         [s(/tp), b, h], and a stage after the first takes its input as ``hidden``."""
         tg = self.groups.tp_group
         s = tokens.shape[1]
-        x = self._embed(tokens) if self.stage.first else hidden  # [s(/tp), b, h]
-        rope = self._rope(s, x.device) if self.cfg.model.position_embedding_type == "rope" else None
+        pos, mask = self._documents(tokens)
+        x = self._embed(tokens, pos) if self.stage.first else hidden  # [s(/tp), b, h]
+        rope = None
+        if self.cfg.model.position_embedding_type == "rope":
+            rope = self._rope(s, x.device, pos)
         layers = list(self.layers.values())
         for idx, checkpointed in self.recompute.layer_groups(len(layers)):
-            run = _run_layers([layers[i] for i in idx])
+            run = _run_layers([layers[i] for i in idx], mask)
             x = self.recompute(run, x, *(rope or ())) if checkpointed else run(x, *(rope or ()))
         if not self.stage.last:
             return x
@@ -185,12 +208,15 @@ class GPTModel(nn.Module):
         mask = loss_mask.t().float() if loss_mask is not None else torch.ones_like(losses)  # [s, b]
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
-    def _embed(self, tokens):
-        """[b, s] token ids -> [s(/tp under SP), b, h] (word + position embedding, dropout)."""
+    def _embed(self, tokens, positions=None):
+        """[b, s] token ids -> [s(/tp under SP), b, h] (word + position embedding, dropout);
+        ``positions`` [b, s]: each token's position (None: 0 .. s-1 in every sample)."""
         tg = self.groups.tp_group
         x = self.embedding(tokens.t())  # [s, b, h]
         s = x.shape[0]
-        if self.pos is not None:
+        if self.pos is not None and positions is not None:
+            x = x + self.pos[positions.t()]  # [s, b, h]
+        elif self.pos is not None:
             x = x + self.pos[:s].unsqueeze(1)  # [s, 1, h] broadcast over b
         if self.sp:
             x = M.scatter_to_sequence_parallel_region(x, tg)  # [s/tp, b, h]
@@ -204,12 +230,13 @@ class GPTModel(nn.Module):
         return x
 
 
-def _run_layers(layers):
-    """The blocks ``layers`` in turn, as one function of (x, *rope tables)."""
+def _run_layers(layers, mask=None):
+    """The blocks ``layers`` in turn, as one function of (x, *rope tables); ``mask`` (the
+    documents' attention mask, or None) is held by the function, not passed through it."""
 
     def run(x, *rope):
         for layer in layers:
-            x = layer(x, rope or None)
+            x = layer(x, rope or None, mask)
         return x
 
     return run
@@ -230,9 +257,10 @@ class GPTModelChunks(nn.Module):
         return self.chunks[chunk](tokens, labels, loss_mask, hidden=hidden)
 
 
-def build_model(cfg: Config, *, backend, groups, vocab_size: int, device=None, rng=None):
+def build_model(cfg: Config, *, backend, groups, vocab_size: int, device=None, rng=None, eod=None):
     """This pipeline rank's model: the ``GPTModel`` of its stage, or under the interleaved
-    schedule the ``GPTModelChunks`` of its v chunks."""
+    schedule the ``GPTModelChunks`` of its v chunks. ``eod``: the tokenizer's EOD id (needed by
+    ``--reset-position-ids`` / ``--reset-attention-mask``)."""
     models = [
         GPTModel(
             cfg,
@@ -242,6 +270,7 @@ def build_model(cfg: Config, *, backend, groups, vocab_size: int, device=None, r
             device=device,
             rng=rng,
             stage=st,
+            eod=eod,
         )
         for st in chunk_stages(cfg, groups.coords.pp)
     ]

@@ -185,8 +185,9 @@ def test_te_weight_cache_reuses_the_cast_within_an_iteration():
 
 
 @cuda
+@pytest.mark.parametrize("docs", [False, True], ids=["positions", "documents"])
 @pytest.mark.parametrize("hpg", [1, 4])
-def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
+def test_te_fused_qkv_rope_equals_the_torch_path(hpg, docs):
     """The te backend splits the grouped QKV output and applies RoPE in one TE kernel; the plain
     backend splits with views and rotates in fp32 torch ops. Both compute x cos + rot(x) sin in
     fp32 from the same angles and round once to bf16, so they differ only where their fp32 sin
@@ -195,21 +196,27 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg):
     products cancel. Gradients: TE's backward rotates in fp32 and rounds once; the torch path's
     autograd rounds each of g cos and rot(g) sin to bf16 (the backward of ``.float()``) before
     adding them, so it is off by up to two half-ulps of a term bounded by max|dy|:
-    2 x 2^-9 x 2^ceil(log2 max|dy|), on top of one rounding (2^-7 relative)."""
+    2 x 2^-9 x 2^ceil(log2 max|dy|), on top of one rounding (2^-7 relative). ``documents``: one
+    sample whose positions restart after each EOD (``--reset-position-ids``), the tables
+    gathered per position, which TE's kernel reads row by row."""
     _te()
     from megafp8.config import Fp8Config
     from megafp8.fp8.backend import Backend, build_backend
+    from megafp8.model.documents import document_positions, gather_tables
     from megafp8.parallel.mappings import SOLO
 
     te_be = build_backend(Fp8Config(fp8_backend="te"), amax_group=SOLO, tp_group=SOLO)
-    s, b, g, hd = 128, 2, 2, 64
+    s, b, g, hd = 128, 1 if docs else 2, 2, 64
     torch.manual_seed(0)
     x = torch.randn(s, b, g, (hpg + 2) * hd, device="cuda", dtype=torch.bfloat16)
     dy = [torch.randn(s, b, n, hd, device="cuda", dtype=torch.bfloat16) for n in (g * hpg, g, g)]
+    tokens = torch.arange(s, device="cuda").view(1, s)
+    pos = document_positions(tokens.masked_fill(tokens % 37 == 36, -1), -1)  # 4 documents
     outs, grads = [], []
     for be in (te_be, Backend()):
         xi = x.clone().requires_grad_()
-        q, k, v = be.split_qkv(xi, hpg, be.rope_tables(s, hd, 500000.0, "cuda"))
+        tables = be.rope_tables(s, hd, 500000.0, "cuda")
+        q, k, v = be.split_qkv(xi, hpg, gather_tables(tables, pos) if docs else tables)
         sum((t.float() * d.float()).sum() for t, d in zip((q, k, v), dy, strict=True)).backward()
         outs.append((q, k, v))
         grads.append(xi.grad)
