@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from megafp8 import checkpoint, metrics, reshard, train_log
 from megafp8.cli import dump_yaml, parse_args
-from megafp8.config import Config, data_parallel_size, global_batch_size
+from megafp8.config import Config
+from megafp8.config_values import data_parallel_size, global_batch_size
 from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
 from megafp8.fp8.recipe import is_expert_key
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model

@@ -9,9 +9,8 @@ and where the code that uses a value parses it (``parse_split``, ``parse_data_pa
 
 from __future__ import annotations
 
-from megafp8.config import (
-    Config,
-    all_fields,
+from megafp8.config import Config, all_fields
+from megafp8.config_values import (
     data_parallel_size,
     global_batch_size,
     parse_data_path,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from megafp8.ab import report
 from megafp8.ab.runs import Arm, command, mean_tokens_per_second, run_arms, tail
 from megafp8.cli import dump_yaml, parse_args
-from megafp8.config import Config, global_batch_size
+from megafp8.config import Config
+from megafp8.config_values import global_batch_size
 from megafp8.validate import validate
 from megafp8.verify.shrink import shrink
 

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from megafp8.config import parse_data_path, parse_split  # noqa: F401  (the grammar lives there)
+from megafp8.config_values import parse_data_path, parse_split  # noqa: F401  (the grammar lives there)
 from megafp8.data.gpt_dataset import cached_arrays
 
 _BLOCK = 1 << 22  # samples merged per block (bounded memory for huge blends)

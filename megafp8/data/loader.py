@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megafp8.config import global_batch_size
+from megafp8.config_values import global_batch_size
 from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
 from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from megafp8.data.indexed import IndexedDataset

@@ -20,7 +20,8 @@ import tempfile
 
 import torch
 
-from megafp8.config import Config, padded_vocab_size
+from megafp8.config import Config
+from megafp8.config_values import padded_vocab_size
 from megafp8.hf import families, io, layout
 
 log = logging.getLogger(__name__)

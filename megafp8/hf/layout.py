@@ -21,7 +21,8 @@ import re
 import torch
 
 from megafp8.checkpoint import latest_tag, tag_for
-from megafp8.config import Config, ModelConfig, padded_vocab_size
+from megafp8.config import Config, ModelConfig
+from megafp8.config_values import padded_vocab_size
 from megafp8.model.attention import qkv_rows
 
 # a backend's own names (Transformer Engine's fused modules) -> the plain backend's names

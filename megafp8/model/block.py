@@ -80,7 +80,7 @@ class TransformerBlock(nn.Module):
         fused2 = norm is not None and not moe
         self.norm2 = nn.Identity() if fused2 else make_norm(cfg, backend, groups, dtype, device)
         if moe:
-            from megafp8.config import global_batch_size
+            from megafp8.config_values import global_batch_size
 
             t = cfg.train
             micro = global_batch_size(cfg, groups.dp) // (t.micro_batch_size * groups.dp)

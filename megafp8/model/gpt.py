@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8.config import Config, padded_vocab_size
+from megafp8.config import Config
+from megafp8.config_values import padded_vocab_size
 from megafp8.model.block import TransformerBlock, make_norm
 from megafp8.model.documents import document_mask, document_positions, gather_tables
 from megafp8.model.recompute import Recompute

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megafp8.config import global_batch_size
+from megafp8.config_values import global_batch_size
 from megafp8.optim import lean_step
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ def layouts(cfg, world: int, per_node: int, recompute=None) -> list[Layout]:
 
 
 def evaluate(cfg, lay: Layout, gpu, nodes: int) -> dict:
-    from megafp8.config import padded_vocab_size
+    from megafp8.config_values import padded_vocab_size
     from megafp8.metrics import flops_per_iteration
 
     m, t = cfg.model, cfg.train

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from megafp8.cli import parse_args
-from megafp8.config import Config, global_batch_size
+from megafp8.config import Config
+from megafp8.config_values import global_batch_size
 from megafp8.validate import validate
 from megafp8.verify import report
 from megafp8.verify.shrink import comparable, fp32, reference, shrink

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 
-from megafp8.config import Config, global_batch_size
+from megafp8.config import Config
+from megafp8.config_values import global_batch_size
 from megafp8.validate import FP8_GEMM_MULTIPLE
 
 SEQ = 64  # tokens per sample after shrinking (at least)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megafp8.cli import parse_args
-from megafp8.config import global_batch_size
+from megafp8.config_values import global_batch_size
 from megafp8.validate import validate
 from megafp8.verify import _agree, report
 from megafp8.verify.shrink import comparable, fp32, reference, shrink

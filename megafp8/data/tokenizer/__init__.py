@@ -157,7 +157,7 @@ def model_vocab_size(configured: int | None, tokenizer: TokenizerBase) -> int:
 def check_run_tokenizer(cfg) -> TokenizerBase:
     """Before anything expensive: build the run's tokenizer, resolve the model vocab, and check
     every dataset of ``data_path`` against it (sidecar fingerprint or max token id)."""
-    from megafp8.config import padded_vocab_size
+    from megafp8.config_values import padded_vocab_size
 
     tok = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
     vocab = model_vocab_size(cfg.model.vocab_size, tok)

@@ -1,0 +1,68 @@
+"""Values derived from a run configuration, and the grammar of its compound values.
+
+Written once, for ``megafp8.validate`` and for the code that uses them: the derived sizes (padded
+vocab, data-parallel size, global batch) and the parsers of ``data_path`` (``"A"`` or a blend
+``"w1 A w2 B"``) and ``split`` (``"969,30,1"``). Nothing here touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megafp8.config import Config
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round the vocab up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    p = cfg.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def global_batch_size(cfg: Config, dp: int) -> int:
+    """Samples per optimizer step: ``global_batch_size``, or one micro-batch per DP rank."""
+    t = cfg.train
+    return t.global_batch_size or t.micro_batch_size * dp
+
+
+def parse_data_path(data_path) -> list[tuple[float, str]]:
+    """``("A",)`` -> ``[(1.0, "A")]``; ``("0.7", "A", "0.3", "B")`` -> normalized weight pairs."""
+    items = list(data_path)
+    if not items:
+        raise ValueError("data_path is empty")
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    if len(items) % 2:
+        raise ValueError(f"data_path {items}: a blend is 'weight prefix' pairs")
+    pairs = []
+    for w, prefix in zip(items[0::2], items[1::2], strict=True):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"data_path weight {w!r} (of {prefix!r}) is not a number") from None
+        if not weight >= 0:  # negative or nan
+            raise ValueError(f"data_path weight {w!r} of {prefix!r} is negative")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ValueError(f"data_path {items}: the weights sum to zero")
+    return [(w / total, p) for w, p in pairs]
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` -> three fractions summing to 1 (missing parts are 0)."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(
+            f"split={split!r} must be comma-separated numbers like '969,30,1'"
+        ) from None
+    if len(parts) > 3 or not all(p >= 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split={split!r}: up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
