@@ -37,6 +37,8 @@ class ModelConfig:
         "learned_absolute", "learned positions or rotary (RoPE)", ("learned_absolute", "rope")
     )
     rotary_base: float = _f(10000.0, "RoPE base (theta)")
+    use_rope_scaling: bool = _f(False, "Llama 3.1 RoPE frequency scaling (low/high 1/4, ctx 8192)")
+    rope_scaling_factor: float = _f(8.0, "with use_rope_scaling: the low frequencies' divisor")
     normalization: str = _f(
         "LayerNorm", "norm of each block and the final one", ("LayerNorm", "RMSNorm")
     )

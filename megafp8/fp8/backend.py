@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import re
 
 import torch
@@ -104,16 +105,41 @@ class SdpaAttention(nn.Module):
         return o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, np*hd]
 
 
-def rope_angles(seq: int, dim: int, base: float, device) -> torch.Tensor:
-    """position * base^(-2i/dim), fp32 [s, 1, 1, dim] (both halves alike)."""
+# Llama 3.1's RoPE scaling (Megatron's --use-rope-scaling): its fixed frequency bands
+ROPE_SCALING_BANDS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_context=8192)
+
+
+def scale_rope_frequencies(inv: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling of the frequencies ``inv``: with L the original context (8192),
+    a frequency whose wavelength 2 pi / f is below L / 4 stays, above L / 1 it is divided by
+    ``factor``, and in between it moves smoothly from one to the other:
+    (1 - t) f / factor + t f with t = (L / wavelength - 1) / (4 - 1)."""
+    b = ROPE_SCALING_BANDS
+    lo, hi, ctx = b["low_freq_factor"], b["high_freq_factor"], b["original_context"]
+    wavelength = 2 * math.pi / inv
+    t = (ctx / wavelength - lo) / (hi - lo)
+    mid = (1 - t) * inv / factor + t * inv
+    out = torch.where(wavelength > ctx / lo, inv / factor, mid)
+    return torch.where(wavelength < ctx / hi, inv, out)
+
+
+def rope_angles(
+    seq: int, dim: int, base: float, device, scaling: float | None = None
+) -> torch.Tensor:
+    """position * base^(-2i/dim), fp32 [s, 1, 1, dim] (both halves alike); ``scaling``: the
+    factor of Llama 3.1's frequency scaling (None: none)."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if scaling is not None:
+        inv = scale_rope_frequencies(inv, scaling)
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [s, d/2]
     return torch.cat([ang, ang], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
 
 
-def rope_tables(seq: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq: int, dim: int, base: float, device, scaling: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the RoPE angles, each [s, 1, 1, dim]."""
-    ang = rope_angles(seq, dim, base, device)
+    ang = rope_angles(seq, dim, base, device, scaling)
     return ang.cos(), ang.sin()
 
 
@@ -206,11 +232,12 @@ class Backend:
         [s, b, np*hd]; with ``document_mask`` it also takes ``mask`` [b, 1, s, s]."""
         return SdpaAttention(heads, head_dim, kv_heads, dropout, rng)
 
-    def rope_tables(self, seq: int, dim: int, base: float, device) -> tuple:
+    def rope_tables(self, seq: int, dim: int, base: float, device, scaling=None) -> tuple:
         """What ``rope`` and ``split_qkv`` take for positions 0..seq-1 (here cos and sin), each
         [seq, 1, 1, dim]; ``rope`` and ``split_qkv`` also take them gathered per sample
-        [s, b, 1, dim] (model/documents.py: ``gather_tables``)."""
-        return rope_tables(seq, dim, base, device)
+        [s, b, 1, dim] (model/documents.py: ``gather_tables``). ``scaling``: Llama 3.1's
+        frequency scaling factor, or None."""
+        return rope_tables(seq, dim, base, device, scaling)
 
     def rope(self, x: torch.Tensor, *tables) -> torch.Tensor:
         """Rotary position embedding of q or k [s, b, n, d] (``tables`` from ``rope_tables``)."""

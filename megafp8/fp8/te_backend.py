@@ -175,8 +175,9 @@ class TEBackend(Backend):
             qkv_format="sbhd",
         )
 
-    def rope_tables(self, seq, dim, base, device):
-        return (rope_angles(seq, dim, base, device).contiguous(),)  # TE's kernels take angles
+    def rope_tables(self, seq, dim, base, device, scaling=None):
+        # TE's kernels take the angles
+        return (rope_angles(seq, dim, base, device, scaling).contiguous(),)
 
     def rope(self, x, freqs):
         if freqs.shape[1] > 1:  # per-sample positions: TE's kernel takes one row per position

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from megafp8.config import Config, ModelConfig
+from megafp8.fp8.backend import ROPE_SCALING_BANDS
 
 FAMILIES = ("llama", "gpt2")
 
@@ -160,7 +161,7 @@ def _llama_config(m: ModelConfig, tied: bool, dtype) -> dict:
         "max_position_embeddings": m.max_positions,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": m.rotary_base,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(m),
         "attention_bias": m.add_bias_linear,
         "mlp_bias": m.add_bias_linear,
         "attention_dropout": 0.0,
@@ -168,6 +169,39 @@ def _llama_config(m: ModelConfig, tied: bool, dtype) -> dict:
         "initializer_range": m.init_method_std,
         "torch_dtype": _dtype_name(dtype),
     }
+
+
+def _rope_scaling(m: ModelConfig) -> dict | None:
+    """Llama 3.1's ``rope_scaling`` entry (``--use-rope-scaling``), else None."""
+    if not m.use_rope_scaling:
+        return None
+    b = ROPE_SCALING_BANDS
+    return {
+        "rope_type": "llama3",
+        "factor": m.rope_scaling_factor,
+        "low_freq_factor": b["low_freq_factor"],
+        "high_freq_factor": b["high_freq_factor"],
+        "original_max_position_embeddings": b["original_context"],
+    }
+
+
+def _rope_scaling_fields(hf: dict) -> dict:
+    """ModelConfig fields from config.json's rope scaling (``rope_scaling``, or transformers 5's
+    ``rope_parameters``): none, or Llama 3.1's with the bands ``--use-rope-scaling`` fixes."""
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return {}
+    b = ROPE_SCALING_BANDS
+    want = {"low_freq_factor": b["low_freq_factor"], "high_freq_factor": b["high_freq_factor"],
+            "original_max_position_embeddings": b["original_context"]}  # fmt: skip
+    got = {k: rs.get(k) for k in want}
+    if kind != "llama3" or got != want or not isinstance(rs.get("factor"), (int, float)):
+        raise ValueError(
+            f"llama: config.json rope scaling {rs!r} is not supported (only rope_type llama3 "
+            f"with {want} and a factor)"
+        )
+    return dict(use_rope_scaling=True, rope_scaling_factor=float(rs["factor"]))
 
 
 def _gpt2_config(m: ModelConfig, tied: bool, dtype) -> dict:
@@ -207,13 +241,12 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
     if kind == "llama":
         h, heads = hf["hidden_size"], hf["num_attention_heads"]
         need("head_dim", lambda v: v in (None, h // heads))
-        need("rope_scaling", lambda v: v is None)
+        scaling = _rope_scaling_fields(hf)
         need("hidden_act", lambda v: v == "silu", "silu")
         bias = need("attention_bias", lambda v: v == hf.get("mlp_bias", False), False)
         pos = hf.get("max_position_embeddings", 2048)
         # transformers 5 keeps theta under rope_parameters
         theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e4)
-        need("rope_parameters", lambda v: v is None or v.get("rope_type", "default") == "default")
         fields = dict(
             num_layers=hf["num_hidden_layers"],
             hidden_size=h,
@@ -229,6 +262,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
             add_bias_linear=bool(bias),
             max_position_embeddings=pos,
             seq_length=seq_length or min(pos, 4096),
+            **scaling,
         )
     elif kind == "gpt2":
         need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")

@@ -136,7 +136,9 @@ class GPTModel(nn.Module):
                 mark_tp(self.output, 0, "output", torch.arange(r * n, (r + 1) * n))
         self.rope = None
         if m.position_embedding_type == "rope":
+            scaling = m.rope_scaling_factor if m.use_rope_scaling else None
             self._rope_cfg = (m.head_dim, m.rotary_base)
+            self._rope_scaling = scaling
 
     def _word_embedding(self, device, dtype) -> VocabParallelEmbedding:
         m = self.cfg.model
@@ -160,7 +162,7 @@ class GPTModel(nn.Module):
     def _rope(self, s, device, positions=None):
         if self.rope is None or self.rope[0].shape[0] < s or self.rope[0].device != device:
             n = max(s, self.cfg.model.seq_length)
-            self.rope = self.backend.rope_tables(n, *self._rope_cfg, device)
+            self.rope = self.backend.rope_tables(n, *self._rope_cfg, device, self._rope_scaling)
         if positions is not None:  # each sample its own positions: [s, b, 1, d]
             return gather_tables(self.rope, positions)
         return tuple(t[:s] for t in self.rope)

@@ -171,3 +171,41 @@ def test_cli_refuses_and_requires(tmp_path, capsys):
 
     assert main(["export", "--load", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "no 'latest'" in capsys.readouterr().err
+
+
+def test_llama31_rope_scaling_exports_and_imports(tmp_path):
+    """--use-rope-scaling (Llama 3.1's, factor 32 as Llama 3.2's): exported as config.json's
+    rope_scaling, whose transformers logits match ours (the same 1e-4 bound as above) and differ
+    from those of the same weights without the scaling by far more; imported back, the config
+    holds the scaling again and a second export gives the same tensors."""
+    import json
+
+    ck, out, back, again = (str(tmp_path / n) for n in ("ck", "hf", "back", "again"))
+    # init std 0.3: peaked attention, so that the rotation's frequencies show in the logits
+    model = dict(MODELS["llama"], rotary_base=500000.0, use_rope_scaling=True,
+                 rope_scaling_factor=32.0, seq_length=256, max_position_embeddings=256,
+                 init_method_std=0.3)  # fmt: skip
+    cfg = tiny_config(model=model, train=dict(train_iters=2, save=ck, global_batch_size=4))
+    run_distributed(train_losses, 1, cfg)
+    convert.export_checkpoint(ck, out, "llama")
+    conf = json.loads(open(os.path.join(out, "config.json")).read())
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    assert conf["rope_scaling"] == llama3
+    tokens = torch.randint(0, 250, (2, 256), generator=torch.Generator().manual_seed(0))
+    ours, theirs = _our_logits(ck, tokens), _hf_logits(out, tokens)
+    scale = ours.abs().max().item()
+    assert (ours - theirs).abs().max().item() <= 1e-4 * scale
+    conf["rope_scaling"] = None
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(conf, f)
+    assert (ours - _hf_logits(out, tokens)).abs().max().item() > 1e-2 * scale
+    conf["rope_scaling"] = llama3
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(conf, f)
+    convert.import_checkpoint(out, back)
+    got, _, _ = layout.merge_checkpoint(layout.find_checkpoint(back))
+    assert got.model.use_rope_scaling and got.model.rope_scaling_factor == 32.0
+    convert.export_checkpoint(back, again, "llama")
+    ta, tb = _tensors(out), _tensors(again)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

@@ -67,6 +67,16 @@ BAD = [
         1,
         "needs lr_warmup_iters > 0, got 0",
     ),
+    (dict(model=dict(use_rope_scaling=True)), 1, "use_rope_scaling needs rope, got learned"),
+    (
+        dict(
+            model=dict(
+                position_embedding_type="rope", use_rope_scaling=True, rope_scaling_factor=0.5
+            )
+        ),
+        1,
+        "rope_scaling_factor=0.5 must be >= 1",
+    ),  # fmt: skip
     (dict(optim=dict(optimizer_group_max_numel=-1)), 1, "optimizer_group_max_numel=-1: give"),
     (dict(fp8=dict(fp8_recipe="bogus")), 1, "fp8_recipe='bogus' must be one of"),
     (
