@@ -332,6 +332,7 @@ class TrainConfig:
     exit_duration_in_mins: float | None = _f(
         None, "save and exit once the run has lasted this long"
     )
+    exit_interval: int | None = _f(None, "save and exit after an iteration divisible by this")
     distributed_timeout_minutes: int = _f(30, "timeout of the process-group collectives")
     load_optim: bool = _f(True, "with --load: restore the optimizer state too")
     load_rng: bool = _f(True, "with --load: restore the RNG streams too")

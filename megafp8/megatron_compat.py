@@ -62,7 +62,17 @@ TABLE = [
         "map",
         "selective recompute (--recompute-granularity selective)",
     ),
+    _f("deterministic-mode", "switch", "map", "deterministic kernels (--deterministic)"),
+    _f("use-dist-ckpt", "switch", "map", "--ckpt-format torch_dist unless a format is given"),
     _f("no-position-embedding", "switch", "check", "accepted with rope (which has no table)"),
+    _f("optimizer", str, "check", "must be adam (AdamW, decoupled weight decay, as Megatron's)"),
+    _f("dataloader-type", str, "check", "must be single (Megatron's pretraining sampler order)"),
+    _f("dist-ckpt-format", str, "check", "must be torch_dist"),
+    _f(
+        "main-grads-dtype", str, "check", "must be fp32 (with --accumulate-allreduce-grads-in-fp32)"
+    ),
+    _f("exp-avg-dtype", str, "check", "must be fp32: Adam's moments are fp32"),
+    _f("exp-avg-sq-dtype", str, "check", "must be fp32: Adam's moments are fp32"),
     _f("kv-channels", int, "check", "must equal hidden_size / num_attention_heads"),
     _f("rotary-percent", float, "check", "must be 1.0 (the whole head dim rotates)"),
     _f("context-parallel-size", int, "check", "must be 1: context parallelism is not available"),
@@ -93,6 +103,38 @@ TABLE = [
         "attention runs in fused kernels (SDPA or TE)",
     ),
     _f("no-mmap-bin-files", "switch", "notice", ".bin files are always memory-mapped"),
+    _f("transformer-impl", str, "notice", "--fp8-backend, --attention-backend choose"),
+    _f("use-flash-attn", "switch", "notice", "--attention-backend chooses (auto: TE picks)"),
+    _f("attention-softmax-in-fp32", "switch", "notice", "the fused kernels' softmax is fp32"),
+    _f("apply-query-key-layer-scaling", "switch", "notice", "an fp16 guard (no fp16 here)"),
+    _f("no-async-tensor-model-parallel-allreduce", "switch", "notice", "TP collectives are ours"),
+    _f("use-cpu-initialization", "switch", "notice", "each weight is drawn from its own seed"),
+    _f("exit-signal-handler", "switch", "notice", "always on: SIGTERM/SIGUSR1 save and exit"),
+    _f("async-save", "switch", "notice", "checkpoints are written synchronously, atomically"),
+    _f("ckpt-fully-parallel-save", "switch", "notice", "every rank writes its own shards"),
+    _f("ckpt-fully-parallel-load", "switch", "notice", "every rank reads its own shards"),
+    _f(
+        "auto-detect-ckpt-format",
+        "switch",
+        "notice",
+        "a checkpoint records its format",
+    ),
+    _f("log-validation-ppl-to-tensorboard", "switch", "notice", "always written"),
+    _f("log-memory-to-tensorboard", "switch", "notice", "written with --log-memory (the default)"),
+    _f("log-timers-to-tensorboard", "switch", "notice", "no timers; use --profile"),
+    _f("timing-log-level", int, "notice", "no timers; use --profile"),
+    _f("timing-log-option", str, "notice", "no timers; use --profile"),
+    _f("tensorboard-log-interval", int, "notice", "TensorBoard is written every --log-interval"),
+    _f("log-params-norm", "switch", "notice", "not computed"),
+    _f("tp-comm-overlap", "switch", "notice", "TP communication is not overlapped with GEMMs"),
+    _f("overlap-p2p-communication", "switch", "notice", "pipeline sends are asynchronous anyway"),
+    _f("ddp-bucket-size", int, "notice", "DeepSpeed's ZeRO reduces the gradients"),
+    _f("ddp-average-in-collective", "switch", "notice", "DeepSpeed's ZeRO reduces the gradients"),
+    _f("no-persist-layer-norm", "switch", "notice", "the norms are torch's or TE's"),
+    _f("initial-loss-scale", float, "notice", "fp16 loss scaling (bf16 needs none)"),
+    _f("min-loss-scale", float, "notice", "fp16 loss scaling (bf16 needs none)"),
+    _f("loss-scale-window", float, "notice", "fp16 loss scaling (bf16 needs none)"),
+    _f("hysteresis", int, "notice", "fp16 loss scaling (bf16 needs none)"),
     _f("tiktoken-pattern", str, "notice", "only for TikTokenizer, which is not supported"),
     _f("wandb-project", str, "notice", "use --tensorboard-dir"),
     _f("wandb-exp-name", str, "notice", "use --tensorboard-dir"),
@@ -114,6 +156,28 @@ TABLE = [
         "refuse",
         "fp16 needs loss scaling, not supported: use --bf16 (and --fp8-format hybrid)",
     ),
+    _f(
+        "no-save-optim",
+        "switch",
+        "refuse",
+        "checkpoints always hold the optimizer state (so a resume is exact)",
+    ),
+    _f("no-save-rng", "switch", "refuse", "checkpoints always hold the RNG streams"),
+    _f("rotary-interleaved", "switch", "refuse", "RoPE here rotates halves (Megatron's default)"),
+    _f(
+        "use-precision-aware-optimizer",
+        "switch",
+        "refuse",
+        "not available: ZeRO keeps fp32 master weights and fp32 Adam moments",
+    ),
+    _f(
+        "train-data-path",
+        "+",
+        "refuse",
+        "not available: give --data-path (a blend) and --split",
+    ),
+    _f("valid-data-path", "+", "refuse", "not available: give --data-path and --split"),
+    _f("test-data-path", "+", "refuse", "not available: give --data-path and --split"),
     _f(
         "rampup-batch-size",
         "+",
@@ -183,6 +247,10 @@ def resolve(given: dict, values: dict) -> list[str]:
         values["lr_warmup_iters"] = int(frac * int(span))
     if given.get("recompute_activations"):
         values.setdefault("recompute_granularity", "selective")
+    if given.get("deterministic_mode"):
+        values["deterministic"] = True
+    if given.get("use_dist_ckpt"):
+        values.setdefault("ckpt_format", "torch_dist")
     if given.get("num_layers_per_virtual_pipeline_stage") is not None:
         values["virtual_pipeline_model_parallel_size"] = _virtual(
             given["num_layers_per_virtual_pipeline_stage"], values
@@ -225,6 +293,12 @@ def _checks(given: dict, values: dict) -> None:
     rp = given.get("rotary_percent")
     if rp is not None and rp != 1.0:
         raise ValueError(f"--rotary-percent {rp}: only 1.0 (the whole head dim) is supported")
+    for name, want in (("optimizer", "adam"), ("dataloader_type", "single"),
+                       ("dist_ckpt_format", "torch_dist"), ("exp_avg_dtype", "fp32"),
+                       ("exp_avg_sq_dtype", "fp32")):  # fmt: skip
+        got = given.get(name)
+        if got is not None and got != want:
+            raise ValueError(f"--{name.replace('_', '-')} {got}: {BY_DEST[name].help}")
     cp = given.get("context_parallel_size")
     if cp is not None and cp != 1:
         raise ValueError(f"--context-parallel-size {cp}: context parallelism is not available")

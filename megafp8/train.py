@@ -356,7 +356,8 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             hooks.before_eval_or_save()
             _eval_and_log(run, tb, rank0)
         deadline = hooks.deadline_passed()
-        stop = signals.any(run.device, deadline)
+        interval = bool(t.exit_interval) and run.iteration % t.exit_interval == 0
+        stop = signals.any(run.device, deadline) or interval  # the same iteration on every rank
         if t.save and (
             (t.save_interval and run.iteration % t.save_interval == 0)
             or stop
@@ -366,6 +367,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             save(run)
         if stop:
             why = "signal received" if signals.hit else "exit duration reached"
+            why = "exit interval reached" if interval and not signals.hit else why
             log.warning("%s: %s at iteration %d, exiting", why, "saved" if t.save else "not saved",
                         run.iteration)  # fmt: skip
             break

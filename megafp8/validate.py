@@ -42,6 +42,7 @@ def _values(cfg: Config, world_size: int, e: list[str]) -> None:
         train_iters=t.train_iters,
         save_interval=t.save_interval,
         eval_interval=t.eval_interval,
+        exit_interval=t.exit_interval,
         log_interval=cfg.logging.log_interval,
         fp8_amax_history_len=f.fp8_amax_history_len,
     )

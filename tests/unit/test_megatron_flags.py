@@ -283,3 +283,53 @@ def test_fp32_gradient_accumulation_flag_is_taken():
     """Megatron's --accumulate-allreduce-grads-in-fp32 is a real switch here (no notice)."""
     cfg, notices = _parse("--mock-data --bf16 --accumulate-allreduce-grads-in-fp32")
     assert cfg.optim.accumulate_allreduce_grads_in_fp32 and notices == []
+
+
+# flags of Megatron-LM scripts in the wild beyond the example scripts above
+COMMON = (
+    "--mock-data --transformer-impl transformer_engine --use-flash-attn --attention-softmax-in-fp32"
+    " --apply-query-key-layer-scaling --no-async-tensor-model-parallel-allreduce"
+    " --use-cpu-initialization --exit-signal-handler --async-save --ckpt-fully-parallel-save"
+    " --ckpt-fully-parallel-load --auto-detect-ckpt-format --log-validation-ppl-to-tensorboard"
+    " --log-memory-to-tensorboard --log-timers-to-tensorboard --timing-log-level 2"
+    " --timing-log-option minmax --tensorboard-log-interval 1 --log-params-norm --tp-comm-overlap"
+    " --overlap-p2p-communication --ddp-bucket-size 40000000 --ddp-average-in-collective"
+    " --no-persist-layer-norm --initial-loss-scale 65536 --min-loss-scale 1"
+    " --loss-scale-window 1000 --hysteresis 2 --optimizer adam --dataloader-type single"
+    " --use-dist-ckpt --dist-ckpt-format torch_dist --deterministic-mode --exit-interval 100"
+    " --exp-avg-dtype fp32 --exp-avg-sq-dtype fp32"
+)
+
+
+def test_common_script_flags_are_taken_or_noticed():
+    cfg, notices = _parse(COMMON)
+    t = cfg.train
+    assert t.ckpt_format == "torch_dist" and t.deterministic and t.exit_interval == 100
+    noticed = {n.split()[0] for n in notices}
+    given = {f for f in COMMON.split() if f.startswith("--")}
+    taken = {"--mock-data", "--optimizer", "--dataloader-type", "--use-dist-ckpt",
+             "--dist-ckpt-format", "--deterministic-mode", "--exit-interval", "--exp-avg-dtype",
+             "--exp-avg-sq-dtype"}  # fmt: skip
+    assert noticed == given - taken
+    assert all("has no effect here: " in n for n in notices)
+    cfg, _ = _parse("--mock-data --use-dist-ckpt --ckpt-format torch")
+    assert cfg.train.ckpt_format == "torch"  # a format given wins
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ("--optimizer sgd", "--optimizer sgd: must be adam"),
+        ("--dataloader-type cyclic", "--dataloader-type cyclic: must be single"),
+        ("--exp-avg-dtype bf16", "--exp-avg-dtype bf16: must be fp32"),
+        ("--no-save-optim", "--no-save-optim: checkpoints always hold the optimizer state"),
+        ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
+        ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
+        ("--use-precision-aware-optimizer", "--use-precision-aware-optimizer: not available"),
+        ("--train-data-path A", "--train-data-path: not available: give --data-path"),
+        ("--valid-data-path B", "--valid-data-path: not available"),
+    ],
+)
+def test_common_script_flags_refused_in_one_line(flags, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
+        _parse("--mock-data " + flags)

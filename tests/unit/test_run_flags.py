@@ -93,6 +93,16 @@ def test_exit_duration_saves_and_stops(tmp_path):
     assert open(os.path.join(ck, "latest")).read() == "iter_0000001"
 
 
+def test_exit_interval_saves_and_stops(tmp_path):
+    """Megatron's --exit-interval 2 on a 5-iteration run: iterations 1 and 2, then a checkpoint
+    of iteration 2 and the end of the run."""
+    ck = str(tmp_path / "ck")
+    cfg = _cfg(train=dict(save=ck, exit_interval=2))
+    losses = run_distributed(_losses, 1, cfg)[0]
+    assert len(losses) == 2
+    assert open(os.path.join(ck, "latest")).read() == "iter_0000002"
+
+
 def test_no_load_optim_restores_weights_not_moments(tmp_path):
     ck = str(tmp_path / "ck")
     full = run_distributed(_losses, 1, _cfg())[0]
