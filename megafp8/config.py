@@ -334,6 +334,9 @@ class TrainConfig:
     )
     exit_interval: int | None = _f(None, "save and exit after an iteration divisible by this")
     distributed_timeout_minutes: int = _f(30, "timeout of the process-group collectives")
+    finetune: bool = _f(
+        False, "with --load: the weights only (iteration, samples, optimizer, RNG start anew)"
+    )
     load_optim: bool = _f(True, "with --load: restore the optimizer state too")
     load_rng: bool = _f(True, "with --load: restore the RNG streams too")
     calculate_per_token_loss: bool = _f(

@@ -177,9 +177,11 @@ def _set_zero3(zo, p, mine: dict) -> None:
         p.ds_tensor.data[: part.numel()].copy_(part.to(p.ds_tensor.dtype))
 
 
-def load(run, tag_dir: str) -> None:
+def load(run, tag_dir: str, optim: bool = True) -> None:
     """Set this rank's weights, fp32 masters, moments and step count, and the FP8 state, from
-    the torch_dist files of the checkpoint in ``tag_dir`` (written by any layout)."""
+    the torch_dist files of the checkpoint in ``tag_dir`` (written by any layout). ``optim``
+    False (``--no-load-optim``, ``--finetune``): the weights and fp32 masters only; Adam starts
+    fresh."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     paths = sorted(glob.glob(os.path.join(tag_dir, "dist_*.pt")))
@@ -187,14 +189,17 @@ def load(run, tag_dir: str) -> None:
         raise ValueError(f"{tag_dir} holds no {FILE.format(0)}: it was not saved with torch_dist")
     full, step, client = _assemble(paths)
     engine = run.engine
-    _init_moments(engine, step)
+    if optim:
+        _init_moments(engine, step)
     base = _base(engine)
     for name, p in named(run.model):
         if name not in full:
             raise ValueError(f"{tag_dir}: no parameter {name} in its torch_dist files")
         dim, index = _shard_of(p)
         mine = {
-            k: (v if dim is None else v.index_select(dim, index)) if v is not None else None
+            k: (v if dim is None else v.index_select(dim, index))
+            if v is not None and (optim or k not in MOMENTS)
+            else None
             for k, v in full[name].items()
         }
         shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO 3: the unpartitioned shape
@@ -264,11 +269,11 @@ def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:
     return os.path.join(load_dir, tag), meta
 
 
-def load_moved(run, tag_dir: str, meta: dict) -> tuple[dict, dict]:
+def load_moved(run, tag_dir: str, meta: dict, optim: bool = True) -> tuple[dict, dict]:
     """``checkpoint.load`` for a checkpoint of another layout: (client state, record)."""
     import logging
 
-    client = load(run, tag_dir)
+    client = load(run, tag_dir, optim)
     client.update(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"])
     if run.groups.rank == 0:
         logging.getLogger("megafp8").info(

@@ -247,29 +247,34 @@ def resume(run: Run) -> bool:
     from megafp8.data.loader import build_data_iterators
 
     t = run.cfg.train
+    optim = t.load_optim and not t.finetune  # --finetune: the weights only
     moved = reshard.layout_changed(run, t.load)
     got = (
-        reshard.load_moved(run, *moved)
+        reshard.load_moved(run, *moved, optim=optim)
         if moved
-        else checkpoint.load(run.engine, t.load, load_optimizer_states=t.load_optim)
+        else checkpoint.load(run.engine, t.load, load_optimizer_states=optim)
     )
     if got is None:
         log.info("no checkpoint in %s: starting from scratch", run.cfg.train.load)
         return False
     client, meta = got
-    run.iteration, run.consumed = client["iteration"], client["consumed_samples"]
+    saved_at = client["iteration"]
+    run.iteration, run.consumed = saved_at, client["consumed_samples"]
+    if t.finetune:  # a new run from these weights: its own count, data order, RNG, bad steps
+        run.iteration = run.consumed = 0
+        client = {"fp8": client["fp8"], "fp8_fallback": client.get("fp8_fallback", {})}
     experts = run.groups.ep > 1 and not moved  # EP rank 0's experts are in the client state
     if experts:  # so theirs come from their own files
         client["fp8"] = {k: v for k, v in client["fp8"].items() if not is_expert_key(k)}
     run.backend.load_state_dict(client["fp8"])
     if experts:
-        tag_dir = os.path.join(t.load, checkpoint.tag_for(run.iteration))
-        load_experts(tag_dir, run.groups, run.model, run.backend, run.engine, t.load_optim)
+        tag_dir = os.path.join(t.load, checkpoint.tag_for(saved_at))
+        load_experts(tag_dir, run.groups, run.model, run.backend, run.engine, optim)
     if run.policy is not None:
         run.policy.load_state_dict(client.get("bad_steps", {}))
     if run.fp8_guard is not None:
         run.fp8_guard.load_state_dict(client.get("fp8_fallback", {}))
-    if t.load_rng and "rng" in client:  # --no-load-rng: the streams of this run's --seed
+    if t.load_rng and "rng" in client:  # --no-load-rng, --finetune: this run's --seed streams
         run.rng.load_state_dict(client["rng"])
     run.data = build_data_iterators(
         run.cfg,
@@ -278,12 +283,10 @@ def resume(run: Run) -> bool:
         consumed_train_samples=run.consumed,
         eod_mask_id=run.data.eod_mask_id,
     )
-    log.info(
-        "resumed from %s at iteration %d (%d samples)",
-        run.cfg.train.load,
-        run.iteration,
-        run.consumed,
-    )
+    if t.finetune:
+        log.info("fine-tuning from %s (its iteration %d): the weights only", t.load, saved_at)
+    else:
+        log.info("resumed from %s at iteration %d (%d samples)", t.load, saved_at, run.consumed)
     return True
 
 

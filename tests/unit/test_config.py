@@ -61,6 +61,7 @@ BAD = [
     (dict(optim=dict(lr_wsd_decay_style="cubic")), 1, "lr_wsd_decay_style='cubic' must be one"),
     (dict(train=dict(most_recent_k=0)), 1, "most_recent_k=0 must be >= 1"),
     (dict(train=dict(exit_interval=0)), 1, "exit_interval=0 must be >= 1"),
+    (dict(train=dict(finetune=True)), 1, "finetune needs load (--load DIR)"),
     (dict(optim=dict(min_lr=1.0)), 1, "min_lr <= lr"),
     (dict(optim=dict(lr_warmup_init=1.0)), 1, "lr_warmup_init <= lr, got lr_warmup_init=1.0"),
     (

@@ -5,6 +5,7 @@ import gc
 import math
 import os
 
+import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
@@ -112,6 +113,27 @@ def test_no_load_optim_restores_weights_not_moments(tmp_path):
     assert kept == full[3:]  # everything restored: bit-identical
     assert fresh[0] == full[3]  # iteration 4's loss comes from the loaded weights alone
     assert fresh[1] != full[4]  # its update used fresh Adam moments
+
+
+@pytest.mark.parametrize("saved_tp", [1, 2], ids=["same-layout", "resharded"])
+def test_finetune_starts_anew_from_the_weights(tmp_path, saved_tp):
+    """--finetune: the weights only. A checkpoint written at lr 0 holds the initial weights (the
+    same in every layout) but 3 iterations of Adam moments, step counts, RNG and data position.
+    Fine-tuning from it must then give the fresh run's losses bit for bit: iteration 1's lr and
+    batch, fresh moments. Also from a torch_dist checkpoint of TP 2 (the resharding load, which
+    must leave the moments out as well)."""
+    ck = str(tmp_path / "ck")
+    frozen = _cfg(
+        train=dict(train_iters=3, save=ck, ckpt_format="torch_dist" if saved_tp > 1 else "torch"),
+        optim=dict(lr=0.0, min_lr=0.0),
+        parallel=dict(tensor_model_parallel_size=saved_tp),
+    )
+    run_distributed(_losses, saved_tp, frozen)
+    fresh = run_distributed(_losses, 1, _cfg())[0]
+    tuned = run_distributed(_losses, 1, _cfg(train=dict(load=ck, finetune=True)))[0]
+    assert len(tuned) == 6 and tuned == fresh
+    kept = run_distributed(_losses, 1, _cfg(train=dict(load=ck, load_rng=False)))[0]
+    assert len(kept) == 3  # without --finetune: iterations 4-6 of the saved run
 
 
 def test_manual_gc_turns_the_collector_off_for_the_run():
