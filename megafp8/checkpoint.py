@@ -218,7 +218,7 @@ def latest_tag(load_dir: str) -> str | None:
 SHAPE = [("model", f) for f in (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
     "ffn_hidden_size", "position_embedding_type", "normalization", "swiglu",
-    "untie_embeddings_and_output_weights", "add_bias_linear", "apply_layernorm_1p",
+    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "apply_layernorm_1p",
     "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
 )] + [("parallel", f) for f in (
     "tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -48,6 +48,7 @@ class ModelConfig:
         False, "a separate output layer instead of the embedding's transpose"
     )
     add_bias_linear: bool = _f(True, "biases in the linear layers (--disable-bias-linear: none)")
+    add_qkv_bias: bool = _f(False, "a bias on the QKV projection even without the others (Qwen2)")
     vocab_size: int | None = _f(
         None, "vocabulary size (None: the tokenizer's, or the mock data's default)"
     )

@@ -1,9 +1,10 @@
-"""Llama and GPT-2: the megafp8 config and one-process tensors <-> a HuggingFace config.json and
-its tensors.
+"""Llama, Qwen2 and GPT-2: the megafp8 config and one-process tensors <-> a HuggingFace
+config.json and its tensors.
 
 Llama (``LlamaForCausalLM``): RoPE (rotate-half, as ours: no permutation of q/k rows), RMSNorm,
 SwiGLU, grouped-query attention, no biases (or biases everywhere: ``attention_bias`` and
 ``mlp_bias`` both set), tied or untied output layer.
+Qwen2 (``Qwen2ForCausalLM``): Llama's tensors plus biases on q, k and v alone (``add_qkv_bias``).
 GPT-2 (``GPT2LMHeadModel``): learned positions, LayerNorm, GELU (tanh), biases, tied output layer,
 one kv head per query head. Its ``Conv1D`` stores weights as [in, out]: ours transposed. Its fused
 ``c_attn`` is [q; k; v], each all heads; ours is grouped head by head (q, k, v of head 0, ...).
@@ -19,7 +20,8 @@ import torch
 from megafp8.config import Config, ModelConfig
 from megafp8.fp8.backend import ROPE_SCALING_BANDS
 
-FAMILIES = ("llama", "gpt2")
+FAMILIES = ("llama", "qwen2", "gpt2")
+LLAMA_LIKE = ("llama", "qwen2")  # the same tensor names; Qwen2 adds q, k, v biases
 
 
 def _refuse(family: str, what: str) -> None:
@@ -30,7 +32,12 @@ def check_exportable(m: ModelConfig, family: str) -> None:
     """One-line ValueError naming the first setting ``family`` cannot represent."""
     if m.apply_layernorm_1p:
         _refuse(family, "apply_layernorm_1p=True (norm weights stored as w - 1)")
-    if family == "llama":
+    if family in LLAMA_LIKE:
+        if family == "llama" and m.add_qkv_bias and not m.add_bias_linear:
+            _refuse(family, "add_qkv_bias=True (biases on q, k, v alone: --family qwen2)")
+        if family == "qwen2" and (m.add_bias_linear or not m.add_qkv_bias):
+            _refuse(family, f"add_bias_linear={m.add_bias_linear}, add_qkv_bias="
+                    f"{m.add_qkv_bias} (Qwen2: biases on q, k, v alone)")  # fmt: skip
         if m.position_embedding_type != "rope":
             _refuse(family, f"position_embedding_type={m.position_embedding_type!r} (only rope)")
         if m.normalization != "RMSNorm":
@@ -57,7 +64,9 @@ def check_exportable(m: ModelConfig, family: str) -> None:
 
 
 def guess_family(m: ModelConfig) -> str:
-    return "llama" if m.position_embedding_type == "rope" else "gpt2"
+    if m.position_embedding_type != "rope":
+        return "gpt2"
+    return "qwen2" if m.add_qkv_bias and not m.add_bias_linear else "llama"
 
 
 def _split_qkv(w: torch.Tensor, m: ModelConfig):
@@ -93,7 +102,7 @@ def to_hf(cfg: Config, full: dict[str, torch.Tensor], family: str) -> tuple[dict
     emb = full["embedding.weight"][:V]
     ln = m.normalization == "LayerNorm"
     bias = m.add_bias_linear
-    llama = family == "llama"
+    llama = family in LLAMA_LIKE
     for i in range(m.num_layers):
         s = f"layers.{i}."
         d = f"model.layers.{i}." if llama else f"transformer.h.{i}."
@@ -110,9 +119,10 @@ def to_hf(cfg: Config, full: dict[str, torch.Tensor], family: str) -> tuple[dict
             out[d + "mlp.gate_proj.weight"] = fc1_w[: m.ffn]
             out[d + "mlp.up_proj.weight"] = fc1_w[m.ffn :]
             out[d + "mlp.down_proj.weight"] = fc2_w
-            if bias:
+            if bias or m.add_qkv_bias:
                 for nm, t in zip(("q", "k", "v"), _split_qkv(qkv_b, m), strict=True):
                     out[d + f"self_attn.{nm}_proj.bias"] = t
+            if bias:
                 out[d + "self_attn.o_proj.bias"] = full[s + "attn.proj.bias"]
                 out[d + "mlp.gate_proj.bias"] = fc1_b[: m.ffn]
                 out[d + "mlp.up_proj.bias"] = fc1_b[m.ffn :]
@@ -139,7 +149,8 @@ def to_hf(cfg: Config, full: dict[str, torch.Tensor], family: str) -> tuple[dict
         out["transformer.wpe.weight"] = full["pos"]
         _norm(out, "final_norm", "transformer.ln_f", full, True)
     out = {k: v.contiguous() for k, v in out.items()}
-    return (_llama_config if llama else _gpt2_config)(m, tied, emb.dtype), out
+    make = {"llama": _llama_config, "qwen2": _qwen2_config, "gpt2": _gpt2_config}[family]
+    return make(m, tied, emb.dtype), out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -169,6 +180,15 @@ def _llama_config(m: ModelConfig, tied: bool, dtype) -> dict:
         "initializer_range": m.init_method_std,
         "torch_dtype": _dtype_name(dtype),
     }
+
+
+def _qwen2_config(m: ModelConfig, tied: bool, dtype) -> dict:
+    out = _llama_config(m, tied, dtype)
+    for k in ("attention_bias", "mlp_bias", "head_dim"):  # Qwen2's q, k, v biases are implied
+        del out[k]
+    out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+               max_window_layers=m.num_layers)  # fmt: skip
+    return out
 
 
 def _rope_scaling(m: ModelConfig) -> dict | None:
@@ -238,12 +258,17 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
             raise ValueError(f"{kind}: config.json {key}={v!r} is not supported")
         return v
 
-    if kind == "llama":
+    if kind in LLAMA_LIKE:
         h, heads = hf["hidden_size"], hf["num_attention_heads"]
         need("head_dim", lambda v: v in (None, h // heads))
-        scaling = _rope_scaling_fields(hf)
+        extra = _rope_scaling_fields(hf)
         need("hidden_act", lambda v: v == "silu", "silu")
-        bias = need("attention_bias", lambda v: v == hf.get("mlp_bias", False), False)
+        if kind == "llama":
+            bias = need("attention_bias", lambda v: v == hf.get("mlp_bias", False), False)
+            extra["add_qkv_bias"] = False
+        else:  # Qwen2: q, k, v biases, no others; no sliding window
+            need("use_sliding_window", lambda v: not v, False)
+            bias, extra["add_qkv_bias"] = False, True
         pos = hf.get("max_position_embeddings", 2048)
         # transformers 5 keeps theta under rope_parameters
         theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e4)
@@ -262,7 +287,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
             add_bias_linear=bool(bias),
             max_position_embeddings=pos,
             seq_length=seq_length or min(pos, 4096),
-            **scaling,
+            **extra,
         )
     elif kind == "gpt2":
         need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
@@ -283,7 +308,9 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
             seq_length=seq_length or pos,
         )
     else:
-        raise ValueError(f"config.json model_type={kind!r}: only llama and gpt2 are supported")
+        raise ValueError(
+            f"config.json model_type={kind!r}: only llama, qwen2 and gpt2 are supported"
+        )
     fields["vocab_size"] = hf["vocab_size"]
     fields["init_method_std"] = hf.get("initializer_range", 0.02)
     return kind, fields
@@ -292,7 +319,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
 def from_hf(m: ModelConfig, family: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One-process tensors (canonical names, unpadded vocab) from HF tensors."""
     out = {}
-    llama, bias = family == "llama", m.add_bias_linear
+    llama, bias = family in LLAMA_LIKE, m.add_bias_linear
     ln = m.normalization == "LayerNorm"
 
     def norm(src, dst):
@@ -307,10 +334,10 @@ def from_hf(m: ModelConfig, family: str, t: dict[str, torch.Tensor]) -> dict[str
             norm(s + "input_layernorm", d + "norm1")
             norm(s + "post_attention_layernorm", d + "norm2")
             a, f = s + "self_attn.", s + "mlp."
-            kinds = ("weight", "bias") if bias else ("weight",)
-            for k in kinds:
+            for k in ("weight", "bias") if bias or m.add_qkv_bias else ("weight",):
                 qkv = [t[a + f"{n}_proj.{k}"] for n in "qkv"]
                 out[d + f"attn.qkv.linear.{k}"] = _join_qkv(*qkv, m)
+            for k in ("weight", "bias") if bias else ("weight",):
                 out[d + f"mlp.fc1.linear.{k}"] = torch.cat(
                     [t[f + f"gate_proj.{k}"], t[f + f"up_proj.{k}"]]
                 )

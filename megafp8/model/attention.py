@@ -74,6 +74,7 @@ class SelfAttention(nn.Module):
             fp8=fp8,
         )
         qkv_out = (self.heads + 2 * self.kv) * self.hd
+        qkv_kw = dict(kw, bias=m.add_bias_linear or m.add_qkv_bias)  # --add-qkv-bias: QKV's alone
         self.fused = self.kv % tp == 0
         self.backend = backend
         if self.fused:
@@ -84,7 +85,7 @@ class SelfAttention(nn.Module):
                 rows=qkv_rows(self.heads, self.kv, self.hd, tp, r),
                 norm=norm,
                 weight_grad_group=M.SOLO,
-                **kw,
+                **qkv_kw,
             )
         else:  # tp > kv: q split by heads, k/v of this rank's group replicated
             if norm is not None:
@@ -106,7 +107,7 @@ class SelfAttention(nn.Module):
                 name=f"{name}.qkv",
                 rows=q_rows,
                 weight_grad_group=M.SOLO,
-                **kw,
+                **qkv_kw,
             )
             self.kv_proj = ColumnParallelLinear(
                 m.hidden_size,
@@ -114,7 +115,7 @@ class SelfAttention(nn.Module):
                 name=f"{name}.qkv",
                 rows=kv_rows,
                 weight_grad_group=kv_group,
-                **kw,
+                **qkv_kw,
             )
         self.proj = RowParallelLinear(
             self.heads * self.hd,

@@ -101,6 +101,8 @@ def layer_params(m) -> tuple[float, float]:
     other = 4 * h if m.normalization == "LayerNorm" else 2 * h
     if m.add_bias_linear:
         other += qkv / h + h + (2 * m.ffn if m.swiglu else m.ffn) + h
+    elif m.add_qkv_bias:
+        other += qkv / h
     return qkv + proj + mlp, other
 
 

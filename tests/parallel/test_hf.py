@@ -28,8 +28,21 @@ MODELS = {
         vocab_size=250,
         rotary_base=500.0,
     ),
+    "qwen2": dict(
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        num_query_groups=2,
+        untie_embeddings_and_output_weights=False,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        ffn_hidden_size=96,
+        vocab_size=250,
+        rotary_base=1e6,
+    ),
     "gpt2": dict(vocab_size=250, ffn_hidden_size=160, max_position_embeddings=40),
 }
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
 
 
@@ -108,7 +121,7 @@ def test_export_logits_match(saved, tmp_path):
     family, ck = saved
     out = str(tmp_path / "hf")
     convert.export_checkpoint(ck, out, family)
-    arch = "LlamaForCausalLM" if family == "llama" else "GPT2LMHeadModel"
+    arch = ARCH[family]
     model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     assert type(model).__name__ == arch
     tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -136,9 +149,12 @@ def test_round_trip_bit_identical(saved, tmp_path):
 
 def test_refusals(saved, tmp_path):
     family, ck = saved
-    other = "gpt2" if family == "llama" else "llama"
+    other = "llama" if family == "gpt2" else "gpt2"
     with pytest.raises(ValueError, match=f"{other} cannot represent position_embedding_type"):
         convert.export_checkpoint(ck, str(tmp_path / "x"), other)
+    if family == "qwen2":  # Llama's attention_bias would put a bias on o_proj as well
+        with pytest.raises(ValueError, match="llama cannot represent add_qkv_bias=True"):
+            convert.export_checkpoint(ck, str(tmp_path / "y"), "llama")
 
 
 def _resume_one_step(cfg):
@@ -209,3 +225,40 @@ def test_llama31_rope_scaling_exports_and_imports(tmp_path):
     convert.export_checkpoint(back, again, "llama")
     ta, tb = _tensors(out), _tensors(again)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_qwen2_biases_map_to_transformers():
+    """Every weight and bias of a one-process Qwen2-shaped model drawn at random (biases far from
+    the zeros they start at), mapped by ``to_hf`` and loaded into transformers' Qwen2: the same
+    logits (the 1e-4 bound above), so each q, k, v bias reaches its head."""
+    from megafp8.fp8.backend import Backend
+    from megafp8.hf import families
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+
+    cfg = tiny_config(model=MODELS["qwen2"])
+    ours = GPTModel(cfg, backend=Backend(), groups=ParallelGroups.single(), vocab_size=250)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    full = {layout.canonical(n): p.detach() for n, p in ours.named_parameters()}
+    full = {k: v for k, v in full.items() if k is not None}
+    hf_cfg, tensors = families.to_hf(cfg, full, "qwen2")
+    assert any(k.endswith("k_proj.bias") for k in tensors)
+    assert not any(k.endswith(("o_proj.bias", "gate_proj.bias", "down_proj.bias")) for k in tensors)
+    theirs = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf_cfg))
+    missing, unexpected = theirs.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the embedding
+    tokens = torch.randint(0, 250, (2, 32), generator=g)
+    ours.eval()
+    theirs.eval()
+    with torch.no_grad():
+        a = ours(tokens).transpose(0, 1)[..., :250]
+        b = theirs(tokens).logits
+    scale = a.abs().max().item()
+    assert (a - b).abs().max().item() <= 1e-4 * scale
+    back = families.from_hf(cfg.model, "qwen2", tensors)  # and back, padded vocab rows aside
+    assert back.keys() == full.keys()
+    for k, v in back.items():
+        assert torch.equal(v, full[k][: v.shape[0]]), k

@@ -121,3 +121,24 @@ def test_cli_tries_expert_parallel_layouts(capsys):
     assert main([*MOE, "--nodes", "1", "--layout", "1,1,8,3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "expert_model_parallel_size=3" in err
+
+
+@pytest.mark.parametrize(
+    "model",
+    [dict(), dict(add_bias_linear=False), dict(add_bias_linear=False, add_qkv_bias=True),
+     dict(swiglu=True, num_query_groups=2, normalization="RMSNorm", add_bias_linear=False,
+          add_qkv_bias=True)],
+    ids=["biases", "none", "qkv-bias", "llama-qkv-bias"],
+)  # fmt: skip
+def test_layer_params_count_the_models_layer(model):
+    """The planner's parameters of one layer equal those of the model's layer 0."""
+    from megafp8.fp8.backend import Backend
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+    from megafp8.plan.model import layer_params
+    from tests.helpers.tiny import tiny_config
+
+    cfg = tiny_config(model=model)
+    net = GPTModel(cfg, backend=Backend(), groups=ParallelGroups.single(), vocab_size=256)
+    got = sum(p.numel() for n, p in net.named_parameters() if n.startswith("layers.0."))
+    assert sum(layer_params(cfg.model)) == got
