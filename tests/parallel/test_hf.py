@@ -16,30 +16,22 @@ from tests.helpers.tiny import tiny_config, train_losses
 pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers")
 
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    num_query_groups=2,
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    ffn_hidden_size=96,
+    vocab_size=250,
+    rotary_base=500.0,
+)
 MODELS = {
-    "llama": dict(
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        num_query_groups=2,
-        untie_embeddings_and_output_weights=True,
-        add_bias_linear=False,
-        ffn_hidden_size=96,
-        vocab_size=250,
-        rotary_base=500.0,
-    ),
+    "llama": LLAMA,
     "qwen2": dict(
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        num_query_groups=2,
-        untie_embeddings_and_output_weights=False,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        ffn_hidden_size=96,
-        vocab_size=250,
-        rotary_base=1e6,
-    ),
+        LLAMA, add_qkv_bias=True, untie_embeddings_and_output_weights=False, rotary_base=1e6
+    ),  # fmt: skip
     "gpt2": dict(vocab_size=250, ffn_hidden_size=160, max_position_embeddings=40),
 }
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
