@@ -136,9 +136,8 @@ class GPTModel(nn.Module):
                 mark_tp(self.output, 0, "output", torch.arange(r * n, (r + 1) * n))
         self.rope = None
         if m.position_embedding_type == "rope":
-            scaling = m.rope_scaling_factor if m.use_rope_scaling else None
             self._rope_cfg = (m.head_dim, m.rotary_base)
-            self._rope_scaling = scaling
+            self._rope_scaling = m.rope_scaling_factor if m.use_rope_scaling else None
 
     def _word_embedding(self, device, dtype) -> VocabParallelEmbedding:
         m = self.cfg.model
