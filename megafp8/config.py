@@ -266,6 +266,9 @@ class DataConfig:
         (), "dataset prefix(es): 'A', or a blend 'w1 A w2 B' (Megatron's)"
     )
     split: str = _f("969,30,1", "train,valid,test proportions of each dataset")
+    train_data_path: tuple[str, ...] = _f((), "instead of data_path: the train split's own blend")
+    valid_data_path: tuple[str, ...] = _f((), "instead of data_path: the valid split's own blend")
+    test_data_path: tuple[str, ...] = _f((), "instead of data_path: the test split's own blend")
     mock_data: bool = _f(False, "synthetic documents instead of data_path")
     tokenizer_type: str | None = _f(
         None, "Megatron's tokenizer type (None: SentencePieceTokenizer with a model, else Null)"

@@ -54,6 +54,18 @@ def parse_data_path(data_path) -> list[tuple[float, str]]:
     return [(w / total, p) for w, p in pairs]
 
 
+def split_paths(d) -> dict[str, tuple[str, ...]]:
+    """The per-split blends of a ``DataConfig`` (``--train-data-path`` ...), where given."""
+    paths = {s: getattr(d, f"{s}_data_path") for s in ("train", "valid", "test")}
+    return {s: v for s, v in paths.items() if v}
+
+
+def dataset_prefixes(d) -> list[str]:
+    """Every dataset prefix a ``DataConfig`` reads: of ``data_path`` and the per-split blends."""
+    blends = [d.data_path, *split_paths(d).values()]
+    return [p for b in blends if b for _, p in parse_data_path(b)]
+
+
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` -> three fractions summing to 1 (missing parts are 0)."""
     try:

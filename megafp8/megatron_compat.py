@@ -171,14 +171,6 @@ TABLE = [
         "not available: ZeRO keeps fp32 master weights and fp32 Adam moments",
     ),
     _f(
-        "train-data-path",
-        "+",
-        "refuse",
-        "not available: give --data-path (a blend) and --split",
-    ),
-    _f("valid-data-path", "+", "refuse", "not available: give --data-path and --split"),
-    _f("test-data-path", "+", "refuse", "not available: give --data-path and --split"),
-    _f(
         "rampup-batch-size",
         "+",
         "refuse",

@@ -23,7 +23,12 @@ import torch.distributed as dist
 from megafp8 import checkpoint, metrics, reshard, train_log
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config
-from megafp8.config_values import data_parallel_size, global_batch_size
+from megafp8.config_values import (
+    data_parallel_size,
+    global_batch_size,
+    parse_data_path,
+    split_paths,
+)
 from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
 from megafp8.fp8.recipe import is_expert_key
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
@@ -67,12 +72,12 @@ class Run:
 def check_inputs(cfg: Config) -> None:
     """Cheap file checks before any process group or model exists."""
     d = cfg.data
-    if not d.mock_data:
-        prefixes = d.data_path if len(d.data_path) == 1 else d.data_path[1::2]
-        for p in prefixes:
+    blends = {"data_path": d.data_path, **{f"{k}_data_path": v for k, v in split_paths(d).items()}}
+    for name, blend in blends.items() if not d.mock_data else ():
+        for _, p in parse_data_path(blend) if blend else ():
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(p + ext):
-                    raise ValueError(f"data_path: {p + ext} does not exist")
+                    raise ValueError(f"{name}: {p + ext} does not exist")
     if d.tokenizer_model and not os.path.exists(d.tokenizer_model):
         raise ValueError(f"tokenizer_model: {d.tokenizer_model} does not exist")
     from megafp8.data.tokenizer import check_run_tokenizer

@@ -15,6 +15,7 @@ from megafp8.config_values import (
     global_batch_size,
     parse_data_path,
     parse_split,
+    split_paths,
 )
 from megafp8.parallel.pipeline.stages import chunk_stages, layer_counts
 
@@ -344,9 +345,16 @@ def _bad_steps(cfg: Config, e: list[str]) -> None:
 def _data(cfg: Config, e: list[str]) -> None:
     """A source of data; ``data_path`` and ``split`` parse as the loader will parse them."""
     d, t = cfg.data, cfg.train
-    if not d.mock_data and not d.data_path:
+    per_split = split_paths(d)
+    if per_split and (d.data_path or d.mock_data):
+        given = "data_path" if d.data_path else "mock_data"
+        e.append(f"{', '.join(f'{s}_data_path' for s in per_split)} and {given}: give one")
+    elif per_split and "train" not in per_split:
+        e.append("valid/test_data_path without train_data_path: no data to train on")
+    elif not d.mock_data and not d.data_path and not per_split:
         e.append("no data: give data_path (--data-path) or mock_data (--mock-data)")
-    for parse, value in ((parse_data_path, d.data_path), (parse_split, d.split)):
+    blends = [(parse_data_path, v) for v in (d.data_path, *per_split.values())]
+    for parse, value in [*blends, (parse_split, d.split)]:
         if value:
             try:
                 parse(value)

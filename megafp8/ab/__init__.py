@@ -177,7 +177,7 @@ def _arms_config(user: Config, steps: int, device: str) -> tuple[Config, list[st
         notes.append("bf16 on in both arms (--bf16): the A/B compares FP8 with BF16")
     if not bf16:
         notes.append(CPU_BASELINE)
-    mock = d.mock_data or not d.data_path
+    mock = d.mock_data or not (d.data_path or d.train_data_path)
     if mock and not d.mock_data:
         notes.append("mock data (no --data-path given)")
     off = [k for k in ("save", "load", "eval_interval", "exit_duration_in_mins") if getattr(t, k)]

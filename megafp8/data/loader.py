@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megafp8.config_values import global_batch_size
+from megafp8.config_values import global_batch_size, split_paths
 from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
 from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from megafp8.data.indexed import IndexedDataset
@@ -57,23 +57,43 @@ def _cache_dir(cfg, prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
 
 
+def _parts(cfg, blend) -> list[tuple]:
+    """(weight, low-level dataset, cache dir) of each dataset of a blend (``data_path`` grammar)."""
+    return [(w, IndexedDataset(p), _cache_dir(cfg, p)) for w, p in parse_data_path(blend)]
+
+
+def _sources(cfg, tokenizer) -> dict[str, tuple[list, list] | None]:
+    """Per split: (parts, each part's document range), or None. With ``data_path`` (or mock data)
+    every split cuts its range out of the same datasets (``split``); with the per-split blends
+    (``--train-data-path`` ...) each split reads its own datasets whole."""
+    d = cfg.data
+    if tokenizer is not None:  # same ids and EOD as preprocess_data.py wrote
+        check_data_tokenizer(d, tokenizer)
+    per_split = split_paths(d)
+    if per_split:
+        out = {}
+        for name in SPLITS:
+            parts = _parts(cfg, per_split[name]) if name in per_split else None
+            out[name] = parts and (parts, [(0, len(low)) for _, low, _ in parts])
+        return out
+    if d.mock_data:
+        parts = [(1.0, _mock_low(cfg, tokenizer), None)]
+    else:
+        parts = _parts(cfg, d.data_path)
+    fractions = parse_split(d.split)
+    return {
+        name: (parts, [split_ranges(len(low), fractions)[s] for _, low, _ in parts])
+        for s, name in enumerate(SPLITS)
+    }
+
+
 def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None]:
     """``{"train"|"valid"|"test": dataset or None}``; None where the split or its count is empty."""
     counts = split_sample_counts(cfg, dp_size)
-    fractions = parse_split(cfg.data.split)
     seq, seed = cfg.model.seq_length, cfg.train.seed
-    if cfg.data.mock_data:
-        parts = [(1.0, _mock_low(cfg, tokenizer), None)]
-    else:
-        parts = [
-            (w, IndexedDataset(p), _cache_dir(cfg, p))
-            for w, p in parse_data_path(cfg.data.data_path)
-        ]
-        if tokenizer is not None:  # same ids and EOD as preprocess_data.py wrote
-            check_data_tokenizer(cfg.data, tokenizer)
     out: dict[str, object | None] = {}
-    for s, name in enumerate(SPLITS):
-        ranges = [split_ranges(len(low), fractions)[s] for _, low, _ in parts]
+    for name, source in _sources(cfg, tokenizer).items():
+        parts, ranges = source or ([], [])
         usable = [i for i, (lo, hi) in enumerate(ranges) if hi > lo and parts[i][0] > 0]
         if not counts[name] or not usable:
             out[name] = None

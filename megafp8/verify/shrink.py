@@ -66,7 +66,7 @@ def comparable(cfg: Config, steps: int, on_cpu: bool) -> tuple[Config, list[str]
     if on_cpu and f.enabled and backend in ("auto", "te"):
         backend = "torch"
         notes.append(f"fp8_backend {f.fp8_backend} -> torch (CPU: our recipe, emulated GEMMs)")
-    mock = d.mock_data or not d.data_path
+    mock = d.mock_data or not (d.data_path or d.train_data_path)
     if mock and not d.mock_data:
         notes.append("mock data (no --data-path given)")
     o = cfg.optim

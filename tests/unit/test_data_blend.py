@@ -156,3 +156,48 @@ def test_data_cache_path_is_used(tmp_path):
     build_data_iterators(cfg, dp_rank=0, dp_size=1)
     assert len(list((tmp_path / "elsewhere").glob("*-description.json"))) == 9
     assert not (tmp_path / "cache").exists()
+
+
+def test_per_split_blends(tmp_path):
+    """--train-data-path 0.7 A 0.3 B --valid-data-path C (Megatron's per-split blends): train
+    samples come from A and B with any of their documents, valid samples from C alone, no test
+    split; --split plays no part."""
+    blend_cfg(tmp_path)  # writes A and B
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    c = str(tmp_path / "c_text_document")
+    write_dataset(c, 1500, 100, 3)
+    cfg = blend_cfg(tmp_path).replace(
+        data={"data_path": (), "train_data_path": ("0.7", a, "0.3", b), "valid_data_path": (c,)}
+    )
+    it = build_data_iterators(cfg, dp_rank=0, dp_size=1)
+    train, valid = it.datasets["train"], it.datasets["valid"]
+    assert it.datasets["test"] is None
+    assert isinstance(train, BlendedDataset) and train.counts.tolist() == [140, 60]
+    seen = {0: set(), 1: set()}
+    for i in range(len(train)):
+        src, toks = int(train.dataset_index[i]), train[i]
+        assert (0 <= toks.min() and toks.max() < 400) if src == 0 else (1000 <= toks.min() < 1300)
+        seen[src].update(np.unique(toks).tolist())
+    assert max(seen[0]) >= 320 and max(seen[1]) >= 1240  # beyond the split's train range
+    tokens = np.concatenate([valid[i] for i in range(len(valid))])
+    assert tokens.min() >= 1500 and tokens.max() < 1600
+
+
+def test_per_split_blends_bad_input(tmp_path):
+    from megafp8.train import check_inputs
+    from megafp8.validate import validate
+
+    cfg = blend_cfg(tmp_path)
+    a = str(tmp_path / "a_text_document")
+    both = cfg.replace(data={"train_data_path": (a,)})
+    with pytest.raises(ValueError, match="train_data_path and data_path: give one"):
+        validate(both, 1)
+    valid_only = cfg.replace(data={"data_path": (), "valid_data_path": (a,)})
+    with pytest.raises(ValueError, match="without train_data_path"):
+        validate(valid_only, 1)
+    nope = str(tmp_path / "nope")
+    missing = cfg.replace(
+        data={"data_path": (), "train_data_path": (a,), "test_data_path": ("0.5", a, "0.5", nope)}
+    )
+    with pytest.raises(ValueError, match="^test_data_path: .*nope.bin does not exist"):
+        check_inputs(missing)

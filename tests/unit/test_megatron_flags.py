@@ -326,8 +326,6 @@ def test_common_script_flags_are_taken_or_noticed():
         ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
         ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
         ("--use-precision-aware-optimizer", "--use-precision-aware-optimizer: not available"),
-        ("--train-data-path A", "--train-data-path: not available: give --data-path"),
-        ("--valid-data-path B", "--valid-data-path: not available"),
     ],
 )
 def test_common_script_flags_refused_in_one_line(flags, message):

@@ -129,10 +129,11 @@ def check_dataset_tokenizer(prefix: str, tokenizer, padded_vocab: int | None = N
 
 
 def check_data_tokenizer(data_cfg, tokenizer, padded_vocab: int | None = None) -> None:
-    """``check_dataset_tokenizer`` for every dataset of ``data_path`` (none with mock data)."""
-    from megafp8.data.blend import parse_data_path
+    """``check_dataset_tokenizer`` for every dataset of ``data_path`` and the per-split blends
+    (none with mock data)."""
+    from megafp8.config_values import dataset_prefixes
 
     if data_cfg.mock_data:
         return
-    for _, prefix in parse_data_path(data_cfg.data_path):
+    for prefix in dataset_prefixes(data_cfg):
         check_dataset_tokenizer(prefix, tokenizer, padded_vocab)
