@@ -361,6 +361,7 @@ class LoggingConfig:
     log_interval: int = _f(1, "print the console line every this many iterations")
     tensorboard_dir: str | None = _f(None, "TensorBoard event directory")
     log_memory: bool = _f(True, "peak memory in the console line and TensorBoard")
+    log_params_norm: bool = _f(False, "the weights' L2 norm in the console line and TensorBoard")
     log_throughput: bool = _f(True, "tokens/s, TFLOP/s and MFU in the console line and TensorBoard")
     log_fp8_stats: bool = _f(
         False, "FP8 health per GEMM and role to TensorBoard at each log: amax, scale, and the "

@@ -125,7 +125,6 @@ TABLE = [
     _f("timing-log-level", int, "notice", "no timers; use --profile"),
     _f("timing-log-option", str, "notice", "no timers; use --profile"),
     _f("tensorboard-log-interval", int, "notice", "TensorBoard is written every --log-interval"),
-    _f("log-params-norm", "switch", "notice", "not computed"),
     _f("tp-comm-overlap", "switch", "notice", "TP communication is not overlapped with GEMMs"),
     _f("overlap-p2p-communication", "switch", "notice", "pipeline sends are asynchronous anyway"),
     _f("ddp-bucket-size", int, "notice", "DeepSpeed's ZeRO reduces the gradients"),

@@ -82,6 +82,7 @@ def format_line(it: int, total: int, values: dict) -> str:
         "global batch size": "{:5d}",
         "lm loss": "{:.6E}",
         "grad norm": "{:.3f}",
+        "params norm": "{:.3f}",
         "tokens per second": "{:.1f}",
         "throughput per GPU (TFLOP/s/GPU)": "{:.1f}",
         "MFU (%)": "{:.2f}",

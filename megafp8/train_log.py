@@ -33,6 +33,25 @@ def fp8_stats(run) -> dict:
     return out
 
 
+def params_norm(run) -> float:
+    """Megatron's ``--log-params-norm``: the L2 norm of all the model's weights, each element
+    counted once over the job: a TP shard on its rank, a weight replicated over TP on TP rank 0
+    (the selection gradient clipping uses), every stage's over PP, every EP rank's experts;
+    summed in fp32 from the weights as held (bf16 under ``--bf16``). Every rank gets it."""
+    import torch
+
+    g = run.groups
+    sums = torch.zeros(2, dtype=torch.float32, device=run.device)  # dense, experts
+    for p in run.model.parameters():
+        if getattr(p, "tensor_model_parallel", False) or g.coords.tp == 0:
+            sums[int(bool(getattr(p, "expert", False)))] += p.detach().float().square().sum()
+    if dist.is_initialized():
+        dist.all_reduce(sums, group=g.mp_group)  # over TP and PP
+        if g.ep > 1:
+            dist.all_reduce(sums[1:], group=g.ep_group)
+    return float(sums.sum().sqrt())
+
+
 def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
     cfg = run.cfg
     vals = {
@@ -41,7 +60,9 @@ def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
         "global batch size": gbs,
         "lm loss": rec["lm loss"],
         "grad norm": rec["grad norm"],
+        "params norm": params_norm(run) if cfg.logging.log_params_norm else None,
     }
+    rec["params norm"] = vals["params norm"]
     skipped, nans = run.policy.take_interval() if run.policy else (None, None)
     vals["number of skipped iterations"], vals["number of nan iterations"] = skipped, nans
     for k in (
@@ -58,6 +79,7 @@ def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
                 "lm loss": rec["lm loss"],
                 "learning-rate": rec["learning rate"],
                 "grad-norm": rec["grad norm"],
+                "params-norm": vals["params norm"],
                 "tokens-per-second": rec.get("tokens per second"),
                 "tflops-per-gpu": rec.get("throughput per GPU (TFLOP/s/GPU)"),
                 "mfu": rec.get("MFU (%)"),

@@ -319,6 +319,8 @@ def _optim(cfg: Config, e: list[str]) -> None:
         )
     if o.clip_grad < 0:
         e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    if cfg.logging.log_params_norm and o.zero_stage == 3:
+        e.append("log_params_norm with zero_stage=3: ZeRO-3 holds no whole weight to measure")
 
 
 def _bad_steps(cfg: Config, e: list[str]) -> None:

@@ -62,6 +62,11 @@ BAD = [
     (dict(train=dict(most_recent_k=0)), 1, "most_recent_k=0 must be >= 1"),
     (dict(train=dict(exit_interval=0)), 1, "exit_interval=0 must be >= 1"),
     (dict(train=dict(finetune=True)), 1, "finetune needs load (--load DIR)"),
+    (
+        dict(logging=dict(log_params_norm=True), optim=dict(zero_stage=3)),
+        1,
+        "log_params_norm with zero_stage=3",
+    ),
     (dict(optim=dict(min_lr=1.0)), 1, "min_lr <= lr"),
     (dict(optim=dict(lr_warmup_init=1.0)), 1, "lr_warmup_init <= lr, got lr_warmup_init=1.0"),
     (

@@ -309,7 +309,7 @@ def test_common_script_flags_are_taken_or_noticed():
     given = {f for f in COMMON.split() if f.startswith("--")}
     taken = {"--mock-data", "--optimizer", "--dataloader-type", "--use-dist-ckpt",
              "--dist-ckpt-format", "--deterministic-mode", "--exit-interval", "--exp-avg-dtype",
-             "--exp-avg-sq-dtype"}  # fmt: skip
+             "--exp-avg-sq-dtype", "--log-params-norm"}  # fmt: skip
     assert noticed == given - taken
     assert all("has no effect here: " in n for n in notices)
     cfg, _ = _parse("--mock-data --use-dist-ckpt --ckpt-format torch")
