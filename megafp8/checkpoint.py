@@ -195,6 +195,22 @@ def apply_retention(save_dir: str, k: int | None, interval: int | None) -> list[
     return gone
 
 
+def load_tag(t, load_dir: str | None = None) -> str | None:
+    """The checkpoint a run's ``TrainConfig`` loads from ``load_dir`` (default ``t.load``):
+    iteration ``t.ckpt_step`` (Megatron's ``--ckpt-step``), else the one ``latest`` names; None:
+    there is none (an error with ``--exit-on-missing-checkpoint``)."""
+    d = load_dir or t.load
+    if t.ckpt_step is not None:
+        tag = tag_for(t.ckpt_step)
+        if not os.path.isfile(os.path.join(d, tag, "megafp8.json")):
+            raise ValueError(f"ckpt_step={t.ckpt_step}: {d}/{tag} is no complete checkpoint")
+        return tag
+    tag = latest_tag(d)
+    if tag is None and t.exit_on_missing_checkpoint:
+        raise ValueError(f"load: no checkpoint in {d} (--exit-on-missing-checkpoint)")
+    return tag
+
+
 def latest_tag(load_dir: str) -> str | None:
     """The tag named by ``latest`` when that checkpoint is complete; else None."""
     p = os.path.join(load_dir, "latest")
@@ -258,7 +274,7 @@ def check_compatible(load_dir: str, cfg) -> None:
     """Before any process group: the checkpoint ``latest`` names in ``load_dir`` (if any) was
     written by a model of this run's shape in this layout. Raises ValueError, one line naming the
     file and every differing value; a foreign or unreadable record is named too."""
-    tag = latest_tag(load_dir)
+    tag = load_tag(cfg.train, load_dir)
     if tag is None:
         return
     path = os.path.join(load_dir, tag, "megafp8.json")

@@ -338,6 +338,10 @@ class TrainConfig:
     )
     exit_interval: int | None = _f(None, "save and exit after an iteration divisible by this")
     distributed_timeout_minutes: int = _f(30, "timeout of the process-group collectives")
+    ckpt_step: int | None = _f(None, "with --load: this iteration's checkpoint, not the newest")
+    exit_on_missing_checkpoint: bool = _f(
+        False, "with --load: an error, not a fresh start, when it holds no checkpoint"
+    )
     finetune: bool = _f(
         False, "with --load: the weights only (iteration, samples, optimizer, RNG start anew)"
     )

@@ -43,6 +43,7 @@ TABLE = [
     _f("train-samples", int, "map", "train_iters = samples / global batch"),
     _f("lr-warmup-samples", int, "map", "lr_warmup_iters = samples / global batch"),
     _f("lr-decay-samples", int, "map", "lr_decay_iters = samples / global batch"),
+    _f("lr-wsd-decay-samples", int, "map", "lr_wsd_decay_iters = samples / global batch"),
     _f("lr-warmup-fraction", float, "map", "lr_warmup_iters = fraction x the decay iterations"),
     _f(
         "num-layers-per-virtual-pipeline-stage",
@@ -130,6 +131,12 @@ TABLE = [
     _f("ddp-bucket-size", int, "notice", "DeepSpeed's ZeRO reduces the gradients"),
     _f("ddp-average-in-collective", "switch", "notice", "DeepSpeed's ZeRO reduces the gradients"),
     _f("no-persist-layer-norm", "switch", "notice", "the norms are torch's or TE's"),
+    _f(
+        "override-opt_param-scheduler",
+        "switch",
+        "notice",
+        "the lr schedule always follows this run's flags",
+    ),
     _f("initial-loss-scale", float, "notice", "fp16 loss scaling (bf16 needs none)"),
     _f("min-loss-scale", float, "notice", "fp16 loss scaling (bf16 needs none)"),
     _f("loss-scale-window", float, "notice", "fp16 loss scaling (bf16 needs none)"),
@@ -162,6 +169,12 @@ TABLE = [
         "checkpoints always hold the optimizer state (so a resume is exact)",
     ),
     _f("no-save-rng", "switch", "refuse", "checkpoints always hold the RNG streams"),
+    _f(
+        "use-checkpoint-opt_param-scheduler",
+        "switch",
+        "refuse",
+        "the lr schedule follows this run's flags: give the saved run's schedule flags",
+    ),
     _f("rotary-interleaved", "switch", "refuse", "RoPE here rotates halves (Megatron's default)"),
     _f(
         "use-precision-aware-optimizer",
@@ -227,6 +240,7 @@ def resolve(given: dict, values: dict) -> list[str]:
         ("train_samples", "train_iters"),
         ("lr_warmup_samples", "lr_warmup_iters"),
         ("lr_decay_samples", "lr_decay_iters"),
+        ("lr_wsd_decay_samples", "lr_wsd_decay_iters"),
     ):
         if given.get(flag) is not None:
             values[field] = _iters(flag.replace("_", "-"), given[flag], gbs)

@@ -243,9 +243,9 @@ def layout_changed(run, load_dir: str) -> tuple[str, dict] | None:
     module family: the shards' names); else None."""
     import json
 
-    from megafp8.checkpoint import latest_tag
+    from megafp8.checkpoint import load_tag
 
-    tag = latest_tag(load_dir)
+    tag = load_tag(run.cfg.train, load_dir)
     if tag is None:
         return None
     with open(os.path.join(load_dir, tag, "megafp8.json")) as f:

@@ -257,7 +257,7 @@ def resume(run: Run) -> bool:
     got = (
         reshard.load_moved(run, *moved, optim=optim)
         if moved
-        else checkpoint.load(run.engine, t.load, load_optimizer_states=optim)
+        else checkpoint.load(run.engine, t.load, checkpoint.load_tag(t), optim)
     )
     if got is None:
         log.info("no checkpoint in %s: starting from scratch", run.cfg.train.load)

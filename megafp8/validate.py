@@ -368,6 +368,8 @@ def _data(cfg: Config, e: list[str]) -> None:
         e.append(f"save_retain_interval={t.save_retain_interval} must be >= 1")
     if t.save_interval and not t.save:
         e.append(f"save_interval={t.save_interval} needs save (--save DIR)")
+    if t.ckpt_step is not None and not t.load:
+        e.append(f"ckpt_step={t.ckpt_step} needs load (--load DIR)")
     if t.finetune and not t.load:
         e.append("finetune needs load (--load DIR): the checkpoint whose weights it starts from")
     ab = cfg.model.attention_backend

@@ -62,6 +62,7 @@ BAD = [
     (dict(train=dict(most_recent_k=0)), 1, "most_recent_k=0 must be >= 1"),
     (dict(train=dict(exit_interval=0)), 1, "exit_interval=0 must be >= 1"),
     (dict(train=dict(finetune=True)), 1, "finetune needs load (--load DIR)"),
+    (dict(train=dict(ckpt_step=5)), 1, "ckpt_step=5 needs load (--load DIR)"),
     (
         dict(logging=dict(log_params_norm=True), optim=dict(zero_stage=3)),
         1,

@@ -297,7 +297,9 @@ COMMON = (
     " --no-persist-layer-norm --initial-loss-scale 65536 --min-loss-scale 1"
     " --loss-scale-window 1000 --hysteresis 2 --optimizer adam --dataloader-type single"
     " --use-dist-ckpt --dist-ckpt-format torch_dist --deterministic-mode --exit-interval 100"
-    " --exp-avg-dtype fp32 --exp-avg-sq-dtype fp32"
+    " --exp-avg-dtype fp32 --exp-avg-sq-dtype fp32 --override-opt_param-scheduler"
+    " --exit-on-missing-checkpoint --lr-decay-style WSD --lr-wsd-decay-samples 80"
+    " --global-batch-size 8"
 )
 
 
@@ -305,11 +307,13 @@ def test_common_script_flags_are_taken_or_noticed():
     cfg, notices = _parse(COMMON)
     t = cfg.train
     assert t.ckpt_format == "torch_dist" and t.deterministic and t.exit_interval == 100
+    assert t.exit_on_missing_checkpoint and cfg.optim.lr_wsd_decay_iters == 10  # 80 / 8
     noticed = {n.split()[0] for n in notices}
     given = {f for f in COMMON.split() if f.startswith("--")}
     taken = {"--mock-data", "--optimizer", "--dataloader-type", "--use-dist-ckpt",
              "--dist-ckpt-format", "--deterministic-mode", "--exit-interval", "--exp-avg-dtype",
-             "--exp-avg-sq-dtype", "--log-params-norm"}  # fmt: skip
+             "--exp-avg-sq-dtype", "--log-params-norm", "--exit-on-missing-checkpoint",
+             "--lr-decay-style", "--lr-wsd-decay-samples", "--global-batch-size"}  # fmt: skip
     assert noticed == given - taken
     assert all("has no effect here: " in n for n in notices)
     cfg, _ = _parse("--mock-data --use-dist-ckpt --ckpt-format torch")
@@ -325,6 +329,7 @@ def test_common_script_flags_are_taken_or_noticed():
         ("--no-save-optim", "--no-save-optim: checkpoints always hold the optimizer state"),
         ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
         ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
+        ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler: the lr"),
         ("--use-precision-aware-optimizer", "--use-precision-aware-optimizer: not available"),
     ],
 )

@@ -136,6 +136,26 @@ def test_finetune_starts_anew_from_the_weights(tmp_path, saved_tp):
     assert len(kept) == 3  # without --finetune: iterations 4-6 of the saved run
 
 
+def test_ckpt_step_loads_that_iteration_and_missing_checkpoints(tmp_path):
+    """--ckpt-step 2 with checkpoints of iterations 2 and 4: iterations 3-6 again, bit for bit;
+    an iteration with no checkpoint, and --exit-on-missing-checkpoint on an empty directory,
+    are one-line errors before anything starts."""
+    from megafp8.train import check_inputs
+
+    ck, empty = str(tmp_path / "ck"), str(tmp_path / "empty")
+    os.makedirs(empty)
+    full = run_distributed(_losses, 1, _cfg(train=dict(save=ck, save_interval=2)))[0]
+    assert sorted(n for n in os.listdir(ck) if n.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000006"]  # fmt: skip
+    again = run_distributed(_losses, 1, _cfg(train=dict(load=ck, ckpt_step=2)))[0]
+    assert again == full[2:]
+    with pytest.raises(ValueError, match="^ckpt_step=3: .*iter_0000003 is no complete checkpoint"):
+        check_inputs(_cfg(train=dict(load=ck, ckpt_step=3)))
+    with pytest.raises(ValueError, match="^load: no checkpoint in .*empty"):
+        check_inputs(_cfg(train=dict(load=empty, exit_on_missing_checkpoint=True)))
+    check_inputs(_cfg(train=dict(load=empty)))  # without the flag: a fresh start
+
+
 def test_manual_gc_turns_the_collector_off_for_the_run():
     from megafp8.run_hooks import RunHooks
 
