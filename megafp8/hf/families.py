@@ -258,6 +258,9 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
             raise ValueError(f"{kind}: config.json {key}={v!r} is not supported")
         return v
 
+    if kind == "mistral":  # Llama's architecture and tensors, plus an optional sliding window
+        need("sliding_window", lambda v: v is None)
+        kind = "llama"
     if kind in LLAMA_LIKE:
         h, heads = hf["hidden_size"], hf["num_attention_heads"]
         need("head_dim", lambda v: v in (None, h // heads))
@@ -309,7 +312,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
         )
     else:
         raise ValueError(
-            f"config.json model_type={kind!r}: only llama, qwen2 and gpt2 are supported"
+            f"config.json model_type={kind!r}: only llama, mistral, qwen2 and gpt2 are supported"
         )
     fields["vocab_size"] = hf["vocab_size"]
     fields["init_method_std"] = hf.get("initializer_range", 0.02)

@@ -254,3 +254,37 @@ def test_qwen2_biases_map_to_transformers():
     assert back.keys() == full.keys()
     for k, v in back.items():
         assert torch.equal(v, full[k][: v.shape[0]]), k
+
+
+def test_mistral_config_imports_as_llama():
+    """A Mistral config.json (no sliding window, as Mistral-7B v0.2/v0.3) is Llama's model: the
+    same fields as the Llama config.json of the same shape, and Mistral in transformers gives
+    our logits on the tensors mapped for Llama; a sliding window is refused."""
+    from megafp8.fp8.backend import Backend
+    from megafp8.hf import families
+    from megafp8.model.gpt import GPTModel
+    from megafp8.parallel.groups import ParallelGroups
+
+    cfg = tiny_config(model=MODELS["llama"])
+    ours = GPTModel(cfg, backend=Backend(), groups=ParallelGroups.single(), vocab_size=250)
+    full = {layout.canonical(n): p.detach() for n, p in ours.named_parameters()}
+    llama_cfg, tensors = families.to_hf(cfg, full, "llama")
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+            "rms_norm_eps", "rope_theta", "tie_word_embeddings")  # fmt: skip
+    mistral = transformers.MistralConfig(sliding_window=None, **{k: llama_cfg[k] for k in keep})
+    as_dict = mistral.to_dict()
+    assert families.model_config_from_hf(as_dict, 32) == families.model_config_from_hf(
+        llama_cfg, 32
+    )
+    theirs = transformers.MistralForCausalLM(mistral)
+    missing, unexpected = theirs.load_state_dict(tensors, strict=False)
+    assert not missing and not unexpected
+    tokens = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(2))
+    ours.eval()
+    theirs.eval()
+    with torch.no_grad():
+        a, b = ours(tokens).transpose(0, 1)[..., :250], theirs(tokens).logits
+    assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
+    with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
+        families.model_config_from_hf(dict(as_dict, sliding_window=4096), 32)
