@@ -296,6 +296,10 @@ class TrainConfig:
     global_batch_size: int | None = _f(
         None, "samples per optimizer step (None: micro_batch_size x dp)"
     )
+    rampup_batch_size: tuple[str, ...] = _f(
+        (), "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT, evenly over "
+        "SAMPLES samples, to global_batch_size (Megatron's ramp-up)"
+    )  # fmt: skip
     train_iters: int = _f(10, "optimizer steps to train")
     seed: int = _f(1234, "seed of weights, data order and dropout")
     bf16: bool = _f(False, "bf16 parameters and activations (fp32 otherwise)")

@@ -30,6 +30,60 @@ def global_batch_size(cfg: Config, dp: int) -> int:
     return t.global_batch_size or t.micro_batch_size * dp
 
 
+def parse_rampup(value) -> tuple[int, int, int] | None:
+    """``rampup_batch_size`` ("START INCREMENT SAMPLES") -> three ints; None when not given."""
+    if not value:
+        return None
+    try:
+        start, incr, samples = (int(v) for v in value)
+    except ValueError:
+        raise ValueError(
+            f"rampup_batch_size={' '.join(map(str, value))}: give START INCREMENT SAMPLES, "
+            "three integers"
+        ) from None
+    return start, incr, samples
+
+
+def batch_size_at(cfg, dp: int, consumed: int) -> int:
+    """The global batch of the iteration that starts after ``consumed`` samples. With
+    Megatron's ramp-up (START, INCREMENT, SAMPLES) and global batch G: (G - START) / INCREMENT
+    steps share SAMPLES evenly, each interval SAMPLES / steps samples long; the batch is START +
+    INCREMENT x the intervals completed, and G once more than SAMPLES samples are consumed."""
+    return ramp_batch(global_batch_size(cfg, dp), parse_rampup(cfg.train.rampup_batch_size),
+                      consumed)  # fmt: skip
+
+
+def ramp_valid(gbs: int, ramp: tuple[int, int, int]) -> bool:
+    """1 <= START < G, INCREMENT >= 1 dividing G - START, SAMPLES >= 1."""
+    start, incr, samples = ramp
+    return 1 <= start < gbs and incr >= 1 and samples >= 1 and (gbs - start) % incr == 0
+
+
+def ramp_batch(gbs: int, ramp: tuple[int, int, int] | None, consumed: int) -> int:
+    """``batch_size_at`` from the global batch and the parsed ramp-up."""
+    if ramp is None or consumed > ramp[2]:
+        return gbs
+    start, incr, samples = ramp
+    per = samples / ((gbs - start) // incr)
+    return start + int(consumed / per) * incr
+
+
+def ramp_sizes(cfg, dp: int) -> list[int]:
+    """Every global batch a run can take: the ramp's, then global_batch_size."""
+    gbs, ramp = global_batch_size(cfg, dp), parse_rampup(cfg.train.rampup_batch_size)
+    return [gbs] if ramp is None else [*range(ramp[0], gbs, ramp[1]), gbs]
+
+
+def train_samples(cfg, dp: int) -> int:
+    """The samples the run's ``train_iters`` iterations consume (each its own global batch)."""
+    if not parse_rampup(cfg.train.rampup_batch_size):
+        return cfg.train.train_iters * global_batch_size(cfg, dp)
+    consumed = 0
+    for _ in range(cfg.train.train_iters):
+        consumed += batch_size_at(cfg, dp, consumed)
+    return consumed
+
+
 def parse_data_path(data_path) -> list[tuple[float, str]]:
     """``("A",)`` -> ``[(1.0, "A")]``; ``("0.7", "A", "0.3", "B")`` -> normalized weight pairs."""
     items = list(data_path)

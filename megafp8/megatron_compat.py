@@ -182,12 +182,6 @@ TABLE = [
         "refuse",
         "not available: ZeRO keeps fp32 master weights and fp32 Adam moments",
     ),
-    _f(
-        "rampup-batch-size",
-        "+",
-        "refuse",
-        "batch ramp-up is not supported: give a constant --global-batch-size",
-    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}
@@ -217,6 +211,21 @@ def _iters(name: str, samples: int, gbs: int | None) -> int:
     return samples // gbs
 
 
+def _ramped_iters(samples: int, gbs: int | None, values: dict) -> int:
+    """--train-samples under a ramp-up: the iterations until that many samples are consumed,
+    each taking its own global batch (Megatron's count)."""
+    from megafp8.config_values import parse_rampup, ramp_batch, ramp_valid
+
+    if not gbs:
+        raise ValueError(f"--train-samples {samples} needs --global-batch-size to count iterations")
+    ramp, iters, consumed = parse_rampup(_get(values, "rampup_batch_size")), 0, 0
+    if not ramp_valid(gbs, ramp):
+        return samples // gbs  # validate() names the bad ramp-up
+    while consumed < samples:
+        consumed, iters = consumed + ramp_batch(gbs, ramp, consumed), iters + 1
+    return iters
+
+
 def _get(values: dict, name: str):
     """The value given so far, else the field's default."""
     return values[name] if name in values else all_fields()[name][1].default
@@ -242,7 +251,13 @@ def resolve(given: dict, values: dict) -> list[str]:
         ("lr_decay_samples", "lr_decay_iters"),
         ("lr_wsd_decay_samples", "lr_wsd_decay_iters"),
     ):
-        if given.get(flag) is not None:
+        if (
+            given.get(flag) is not None
+            and flag == "train_samples"
+            and _get(values, "rampup_batch_size")
+        ):
+            values[field] = _ramped_iters(given[flag], gbs, values)
+        elif given.get(flag) is not None:
             values[field] = _iters(flag.replace("_", "-"), given[flag], gbs)
     if given.get("lr_warmup_fraction") is not None:
         frac = given["lr_warmup_fraction"]

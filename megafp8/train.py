@@ -24,6 +24,7 @@ from megafp8 import checkpoint, metrics, reshard, train_log
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config
 from megafp8.config_values import (
+    batch_size_at,
     data_parallel_size,
     global_batch_size,
     parse_data_path,
@@ -65,6 +66,7 @@ class Run:
     device: torch.device
     iteration: int = 0
     consumed: int = 0
+    skipped_samples: int = 0  # the samples of iterations whose update was skipped
     policy: StepPolicy | None = None  # NaN and spike: whether an update happens
     fp8_guard: Fp8OverflowGuard | None = None  # FP8 overflow -> the layer leaves FP8
 
@@ -175,13 +177,15 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     return Run(cfg, groups, model, engine, backend, rng, data, device)
 
 
-def schedule_steps(run: Run) -> int:
-    """The steps the lr schedule has taken: the iterations whose update happened (a skipped
-    update leaves the schedule where it was, as Megatron-LM's skipped iterations do)."""
-    return run.iteration - (run.policy.skipped if run.policy is not None else 0)
+def schedule_steps(run: Run) -> float:
+    """Where the lr schedule stands, in iterations of the full global batch: Megatron-LM's
+    scheduler counts the samples of the updates that happened (a skipped update leaves it where
+    it was; an iteration of a ramp-up batch moves it by that batch only)."""
+    gbs = global_batch_size(run.cfg, run.groups.dp)
+    return (run.consumed - run.skipped_samples) / gbs
 
 
-def _lrs(cfg: Config, steps: int) -> tuple[float, float | None]:
+def _lrs(cfg: Config, steps: float) -> tuple[float, float | None]:
     """The lr after ``steps`` schedule steps, and the decoupled lr of the embedding and output
     layer."""
     o, n = cfg.optim, cfg.train.train_iters
@@ -230,6 +234,7 @@ def save(run: Run) -> None:
     client = {
         "iteration": run.iteration,
         "consumed_samples": run.consumed,
+        "skipped_samples": run.skipped_samples,
         "fp8": run.backend.state_dict(),
         "rng": run.rng.state_dict(),
         "bad_steps": run.policy.state_dict() if run.policy else {},
@@ -281,6 +286,10 @@ def resume(run: Run) -> bool:
         run.fp8_guard.load_state_dict(client.get("fp8_fallback", {}))
     if t.load_rng and "rng" in client:  # --no-load-rng, --finetune: this run's --seed streams
         run.rng.load_state_dict(client["rng"])
+    skipped = run.policy.skipped if run.policy is not None else 0  # before skipped_samples
+    run.skipped_samples = client.get(
+        "skipped_samples", skipped * global_batch_size(run.cfg, run.groups.dp)
+    )
     run.data = build_data_iterators(
         run.cfg,
         dp_rank=run.groups.coords.dp,
@@ -306,7 +315,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     _attach_policies(run, rank0)
     if t.load:
         resume(run)
-    gbs = global_batch_size(cfg, run.groups.dp)
+    dp = run.groups.dp
     if rank0:
         for d in (t.save, lg.tensorboard_dir):
             if d:
@@ -314,7 +323,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
                 checkpoint.write_atomic(os.path.join(d, "config.yaml"), dump_yaml(cfg))
     tb = metrics.TensorBoard(lg.tensorboard_dir, rank0)
     tb.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-    flops = metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
+    since = {"iters": 0, "samples": 0, "flops": 0.0}  # since the last console line
     peak = metrics.peak_tflops(cfg.fp8.enabled)
     world = dist.get_world_size() if dist.is_initialized() else 1
     train_iter, signals, history = iter(run.data.train), Signals(), []
@@ -327,12 +336,19 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
         fp8_stats = lg.log_fp8_stats and logs
         if fp8_stats:
             run.backend.start_fp8_stats()
+        gbs = batch_size_at(cfg, dp, run.consumed)  # the full one, or a ramp-up's
+        if gbs != run.engine.train_batch_size():
+            run.engine.set_train_batch_size(gbs)  # its accumulation steps
         loss, gnorm = train_step(run, train_iter, hooks)
         if fp8_stats:
             tb.scalars(train_log.fp8_stats(run), run.iteration + 1)
         run.iteration += 1
         run.consumed += gbs  # a skipped iteration consumed its batch too (Megatron's)
         verdict = run.policy.verdict
+        run.skipped_samples += gbs if verdict["skipped"] else 0
+        since["iters"] += 1
+        since["samples"] += gbs
+        since["flops"] += metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
         if verdict["nan"] and run.policy.stop:
             raise FloatingPointError(f"{verdict['what']} at iteration {run.iteration}")
         if run.fp8_guard is not None:
@@ -342,21 +358,24 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             "lm loss": loss,
             "grad norm": gnorm,
             "skipped": verdict["skipped"],
+            "global batch size": gbs,
             # as Megatron-LM's line: the lr the schedule holds after this step (the next one's)
             "learning rate": learning_rate(cfg.optim, schedule_steps(run), t.train_iters),
         }
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
-            dt = timer.elapsed() / lg.log_interval
-            tflops = flops / dt / world / 1e12
+            elapsed = timer.elapsed()
+            dt = elapsed / since["iters"]
+            tflops = since["flops"] / elapsed / world / 1e12
             rec["elapsed time per iteration (ms)"] = dt * 1e3
             if lg.log_throughput:
-                rec["tokens per second"] = gbs * cfg.model.seq_length / dt
+                rec["tokens per second"] = since["samples"] * cfg.model.seq_length / elapsed
                 rec["throughput per GPU (TFLOP/s/GPU)"] = tflops
                 rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
             rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
             train_log.log_line(run, rec, gbs, tb, rank0)
             if cfg.model.num_experts:
                 tb.scalars(train_log.gather_pp(run, moe_metrics(run.model)), run.iteration)
+            since = {"iters": 0, "samples": 0, "flops": 0.0}
             timer.start()
         history.append(rec)
         hooks.after_step(run.iteration)

@@ -14,7 +14,10 @@ from megafp8.config_values import (
     data_parallel_size,
     global_batch_size,
     parse_data_path,
+    parse_rampup,
     parse_split,
+    ramp_sizes,
+    ramp_valid,
     split_paths,
 )
 from megafp8.parallel.pipeline.stages import chunk_stages, layer_counts
@@ -281,25 +284,42 @@ def _fp8(cfg: Config, e: list[str]) -> None:
 
 
 def _batch(cfg: Config, dp: int, e: list[str]) -> None:
-    """global batch = micro batch x dp x accumulation steps."""
+    """global batch = micro batch x dp x accumulation steps, for every batch of a ramp-up."""
     t = cfg.train
     gbs = global_batch_size(cfg, dp)
-    if gbs % (t.micro_batch_size * dp):
-        e.append(
-            f"global_batch_size={gbs} is not divisible by micro_batch_size={t.micro_batch_size} "
-            f"x data-parallel size {dp}"
-        )
+    try:
+        ramp = parse_rampup(t.rampup_batch_size)
+    except ValueError as exc:
+        e.append(str(exc))
         return
+    if ramp is not None:
+        start, incr, samples = ramp
+        if not ramp_valid(gbs, ramp):
+            e.append(
+                f"rampup_batch_size={start} {incr} {samples}: need 1 <= START < "
+                f"global_batch_size={gbs}, INCREMENT >= 1 dividing global_batch_size - START, "
+                "SAMPLES >= 1"
+            )
+            return
     p = cfg.parallel
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    m = gbs // (t.micro_batch_size * dp)
-    if vpp > 1 and pp > 1 and m % pp:
-        e.append(
-            f"virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule needs the "
-            f"micro-batches per iteration (global_batch_size={gbs} / (micro_batch_size="
-            f"{t.micro_batch_size} x data-parallel size {dp}) = {m}) to be a multiple of "
-            f"pipeline_model_parallel_size={pp}"
-        )
+    for size in ramp_sizes(cfg, dp):
+        name = "global_batch_size" if size == gbs else "a ramp-up batch"
+        if size % (t.micro_batch_size * dp):
+            e.append(
+                f"{name}={size} is not divisible by micro_batch_size={t.micro_batch_size} "
+                f"x data-parallel size {dp}"
+            )
+            return
+        m = size // (t.micro_batch_size * dp)
+        if vpp > 1 and pp > 1 and m % pp:
+            e.append(
+                f"virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule needs the "
+                f"micro-batches per iteration ({name}={size} / (micro_batch_size="
+                f"{t.micro_batch_size} x data-parallel size {dp}) = {m}) to be a multiple of "
+                f"pipeline_model_parallel_size={pp}"
+            )
+            return
 
 
 def _optim(cfg: Config, e: list[str]) -> None:

@@ -1,7 +1,8 @@
 """Datasets for a run and each data-parallel rank's micro-batches, resumable bit for bit.
 
-Sample counts: train ``train_iters * gbs``; valid and test ``(train_iters // eval_interval + 1) *
-eval_iters * gbs`` with an eval interval, else ``eval_iters * gbs`` (``gbs`` = global batch).
+Sample counts: train ``train_iters * gbs`` (under a ramp-up, the sum of its iterations'
+batches); valid and test ``(train_iters // eval_interval + 1) * eval_iters * gbs`` with an eval
+interval, else ``eval_iters * gbs`` (``gbs`` = global batch).
 
 Order (Megatron's ``MegatronPretrainingSampler``): sample ids run ``0, 1, 2, ...`` through the
 shuffled dataset; each step of ``micro_batch_size * dp_size`` ids forms one micro-batch round, and
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megafp8.config_values import global_batch_size, split_paths
+from megafp8.config_values import global_batch_size, split_paths, train_samples
 from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
 from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from megafp8.data.indexed import IndexedDataset
@@ -37,7 +38,7 @@ def split_sample_counts(cfg, dp_size: int) -> dict[str, int]:
     t, gbs = cfg.train, global_batch_size(cfg, dp_size)
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
     eval_samples = evals * t.eval_iters * gbs
-    return {"train": t.train_iters * gbs, "valid": eval_samples, "test": eval_samples}
+    return {"train": train_samples(cfg, dp_size), "valid": eval_samples, "test": eval_samples}
 
 
 def _mock_low(cfg, tokenizer):

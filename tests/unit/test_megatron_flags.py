@@ -78,11 +78,9 @@ def _parse(flags: str):
 def test_gpt3_175b_script():
     with pytest.raises(ValueError, match=r"^--fp16: .*use --bf16"):
         _parse(GPT3)
-    no_fp16 = GPT3.replace(" --fp16", " --bf16")
-    with pytest.raises(ValueError, match=r"^--rampup-batch-size: .*constant --global-batch-size"):
-        _parse(no_fp16)
-    cfg, notices = _parse(no_fp16.replace(" --rampup-batch-size 16 16 5859375", ""))
+    cfg, notices = _parse(GPT3.replace(" --fp16", " --bf16"))
     assert notices == []
+    assert cfg.train.rampup_batch_size == ("16", "16", "5859375")  # 16 to 1536 in 95 steps
     assert cfg.optim.lr_warmup_iters == 430  # .001 of the 430000 decay iterations
     assert (cfg.data.vocab_file, cfg.data.merge_file) == ("vocab.json", "merges.txt")
     assert cfg.optim.adam_beta2 == 0.95 and cfg.parallel.tensor_model_parallel_size == 8

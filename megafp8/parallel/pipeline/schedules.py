@@ -97,6 +97,7 @@ def no_pipelining(run, train_iter, hooks=None) -> tuple[float, float | None]:
         with record_function("megafp8.forward"), run.backend.autocast():
             loss = eng(b["tokens"], b["labels"], b["loss_mask"])
         with record_function("megafp8.backward"):
+            eng.set_gradient_accumulation_boundary(i == gas - 1)  # the batch may change (ramp-up)
             eng.backward(loss * weights[i] if per_token else loss)
         if per_token:
             total += loss.detach().float() * counts[i]
@@ -192,6 +193,7 @@ def run_schedule(run, order, batches, hooks=None, record=None):
             peak = max(peak, in_flight)
             continue
         x, y = pending.pop(j)
+        eng.set_gradient_accumulation_boundary(j == m - 1)  # the batch may change (ramp-up)
         backward_step(run, pipe, x, y, j == m - 1, run.model, hooks, step=j < m - 1)
         in_flight -= 1
     pipe.drain()
