@@ -106,13 +106,15 @@ def run_case(shape, precision, warmup: int, iters: int, recipe: str, **variant) 
     losses = []
     for _ in range(warmup):
         losses.append(train_step(run, it)[0])
-        run.iteration += 1
+        run.iteration += 1  # the lr schedule counts consumed samples
+        run.consumed += cfg.train.global_batch_size
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(iters):
         losses.append(train_step(run, it)[0])
         run.iteration += 1
+        run.consumed += cfg.train.global_batch_size
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / iters
     if os.environ.get("MEGAFP8_BENCH_PROFILE"):

@@ -302,6 +302,7 @@ def test_fp8_stats_on_gpu(backend):
             run.backend.start_fp8_stats()
         train_step(run, it)
         run.iteration += 1
+        run.consumed += cfg.train.global_batch_size  # where the lr schedule stands
     stats = run.backend.fp8_stats(run.model)
     gemms = [f"layers.{i}.{g}" for i in range(2) for g in ("attn.qkv", "attn.proj", "mlp.fc1",
                                                             "mlp.fc2")]  # fmt: skip
