@@ -76,11 +76,12 @@ def ramp_sizes(cfg, dp: int) -> list[int]:
 
 def train_samples(cfg, dp: int) -> int:
     """The samples the run's ``train_iters`` iterations consume (each its own global batch)."""
-    if not parse_rampup(cfg.train.rampup_batch_size):
-        return cfg.train.train_iters * global_batch_size(cfg, dp)
+    gbs, ramp = global_batch_size(cfg, dp), parse_rampup(cfg.train.rampup_batch_size)
+    if not ramp:
+        return cfg.train.train_iters * gbs
     consumed = 0
     for _ in range(cfg.train.train_iters):
-        consumed += batch_size_at(cfg, dp, consumed)
+        consumed += ramp_batch(gbs, ramp, consumed)
     return consumed
 
 
