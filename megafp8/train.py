@@ -20,21 +20,19 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megafp8 import checkpoint, metrics, reshard, train_log
+from megafp8 import checkpoint, metrics, train_log
 from megafp8.cli import dump_yaml, parse_args
 from megafp8.config import Config
 from megafp8.config_values import (
     batch_size_at,
     data_parallel_size,
-    global_batch_size,
     parse_data_path,
     split_paths,
 )
-from megafp8.fp8.backend import Fp8OverflowGuard, build_backend
-from megafp8.fp8.recipe import is_expert_key
+from megafp8.fp8.backend import build_backend
+from megafp8.fp8.overflow_guard import Fp8OverflowGuard
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
 from megafp8.model.moe import moe_metrics, update_expert_bias
-from megafp8.optim.experts import expert_files, load_experts
 from megafp8.optim.schedule import learning_rate
 from megafp8.optim.zero import StepPolicy, build_engine, set_lr, wgrad_fusion
 from megafp8.parallel.groups import ParallelGroups
@@ -49,6 +47,7 @@ from megafp8.run_hooks import (
     preflight,
     reach_master,
 )
+from megafp8.run_state import lrs, resume, save, schedule_steps
 from megafp8.validate import validate
 
 log = logging.getLogger("megafp8")
@@ -177,24 +176,6 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     return Run(cfg, groups, model, engine, backend, rng, data, device)
 
 
-def schedule_steps(run: Run) -> float:
-    """Where the lr schedule stands, in iterations of the full global batch: Megatron-LM's
-    scheduler counts the samples of the updates that happened (a skipped update leaves it where
-    it was; an iteration of a ramp-up batch moves it by that batch only)."""
-    gbs = global_batch_size(run.cfg, run.groups.dp)
-    return (run.consumed - run.skipped_samples) / gbs
-
-
-def _lrs(cfg: Config, steps: float) -> tuple[float, float | None]:
-    """The lr after ``steps`` schedule steps, and the decoupled lr of the embedding and output
-    layer."""
-    o, n = cfg.optim, cfg.train.train_iters
-    if o.decoupled_lr is None:
-        return learning_rate(o, steps, n), None
-    dec = dataclasses.replace(o, lr=o.decoupled_lr, min_lr=o.decoupled_min_lr or o.min_lr)
-    return learning_rate(o, steps, n), learning_rate(dec, steps, n)
-
-
 def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
     """One iteration (all micro-batches of the global batch) through the layout's schedule
     (``parallel/pipeline/schedules.py``); returns (DP-mean loss, grad norm), on every rank.
@@ -204,7 +185,7 @@ def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
     the global batch (all micro-batches, all DP ranks) over their number: each micro-batch's
     loss is weighted by its token count before the backward (DeepSpeed divides by the
     accumulation steps and averages over DP, which the weight undoes)."""
-    set_lr(run.engine, *_lrs(run.cfg, schedule_steps(run)))
+    set_lr(run.engine, *lrs(run.cfg, schedule_steps(run)))
     out = train_iteration(run, train_iter, hooks)
     m = run.cfg.model
     if m.moe_router_enable_expert_bias:  # aux-loss-free balancing: after the step
@@ -228,80 +209,6 @@ def evaluate(run: Run, iters: int) -> float | None:
         return forward_only(run, batches) if batches else None
     finally:
         run.model.train()
-
-
-def save(run: Run) -> None:
-    client = {
-        "iteration": run.iteration,
-        "consumed_samples": run.consumed,
-        "skipped_samples": run.skipped_samples,
-        "fp8": run.backend.state_dict(),
-        "rng": run.rng.state_dict(),
-        "bad_steps": run.policy.state_dict() if run.policy else {},
-        "fp8_fallback": run.fp8_guard.state_dict() if run.fp8_guard else {},
-    }
-    meta = {"consumed_samples": run.consumed, "config": run.cfg.to_dict(),
-            "world_size": run.groups.layout.world_size,
-            "modules": checkpoint.module_family(run.cfg)}  # fmt: skip
-    t = run.cfg.train
-    files = expert_files(run.groups, run.model, run.backend)
-    if t.ckpt_format == "torch_dist":  # also layout-free (reshard.py); a collective
-        files.update(reshard.files(run))
-    checkpoint.save(
-        run.engine, t.save, run.iteration, client, meta, t.most_recent_k, t.save_retain_interval,
-        rank_files=files,
-    )  # fmt: skip
-
-
-def resume(run: Run) -> bool:
-    from megafp8.data.loader import build_data_iterators
-
-    t = run.cfg.train
-    optim = t.load_optim and not t.finetune  # --finetune: the weights only
-    moved = reshard.layout_changed(run, t.load)
-    got = (
-        reshard.load_moved(run, *moved, optim=optim)
-        if moved
-        else checkpoint.load(run.engine, t.load, checkpoint.load_tag(t), optim)
-    )
-    if got is None:
-        log.info("no checkpoint in %s: starting from scratch", run.cfg.train.load)
-        return False
-    client, meta = got
-    saved_at = client["iteration"]
-    run.iteration, run.consumed = saved_at, client["consumed_samples"]
-    if t.finetune:  # a new run from these weights: its own count, data order, RNG, bad steps
-        run.iteration = run.consumed = 0
-        client = {"fp8": client["fp8"], "fp8_fallback": client.get("fp8_fallback", {})}
-    experts = run.groups.ep > 1 and not moved  # EP rank 0's experts are in the client state
-    if experts:  # so theirs come from their own files
-        client["fp8"] = {k: v for k, v in client["fp8"].items() if not is_expert_key(k)}
-    run.backend.load_state_dict(client["fp8"])
-    if experts:
-        tag_dir = os.path.join(t.load, checkpoint.tag_for(saved_at))
-        load_experts(tag_dir, run.groups, run.model, run.backend, run.engine, optim)
-    if run.policy is not None:
-        run.policy.load_state_dict(client.get("bad_steps", {}))
-    if run.fp8_guard is not None:
-        run.fp8_guard.load_state_dict(client.get("fp8_fallback", {}))
-    if t.load_rng and "rng" in client:  # --no-load-rng, --finetune: this run's --seed streams
-        run.rng.load_state_dict(client["rng"])
-    skipped = run.policy.skipped if run.policy is not None else 0  # before skipped_samples
-    run.skipped_samples = client.get(
-        "skipped_samples", skipped * global_batch_size(run.cfg, run.groups.dp)
-    )
-    run.data = build_data_iterators(
-        run.cfg,
-        dp_rank=run.groups.coords.dp,
-        dp_size=run.groups.dp,
-        consumed_train_samples=run.consumed,
-        eod_mask_id=run.data.eod_mask_id,
-    )
-    if t.finetune:
-        log.info("fine-tuning from %s (its iteration %d): the weights only", t.load, saved_at)
-    else:
-        log.info("resumed from %s at iteration %d (%d samples)", t.load, saved_at, run.consumed)
-    return True
 
 
 def train(cfg: Config, run: Run | None = None) -> list[dict]:

@@ -4,7 +4,8 @@
 front of a GEMM, the norms, core attention, rotary embedding, a fused MLP) are built through a
 ``Backend``. Three implement it:
 
-- ``Backend`` itself ("none"): plain torch in the parameters' dtype (bf16 or fp32), no FP8.
+- ``Backend`` itself ("none"): plain torch in the parameters' dtype (bf16 or fp32), no FP8;
+  its kernels are ``plain_ops.py``'s.
 - ``torch_backend.TorchBackend`` ("torch"): our FP8 recipe, ``torch._scaled_mm`` on CUDA and an
   exact emulation of the same GEMM on the CPU.
 - ``te_backend.TEBackend`` ("te"): Transformer Engine modules and recipes. It is the only module
@@ -22,132 +23,21 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import math
-import re
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from megafp8.fp8.plain_ops import (
+    PlainLinear,
+    SdpaAttention,
+    ZeroCenteredNorm,
+    apply_rope,
+    rope_tables,
+)
 from megafp8.parallel.mappings import world
-from megafp8.parallel.random import TP_STREAM
 
 log = logging.getLogger(__name__)
-
-
-class PlainLinear(nn.Module):
-    """y = x w^T (+ b) on this rank's shard with torch's GEMM. ``plain`` tells a TP layer that it
-    may run this GEMM itself (the sequence-parallel gather that saves only the shard)."""
-
-    plain = True
-
-    def __init__(self, in_features, out_features, bias, *, dtype, device=None):
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        )
-
-    def forward(self, x):  # [..., in] -> [..., out]
-        return F.linear(x, self.weight, self.bias)
-
-
-class ZeroCenteredNorm(nn.Module):
-    """LayerNorm or RMSNorm whose weight is stored centered on zero: it multiplies by
-    ``1 + weight`` (Megatron's ``--apply-layernorm-1p``), so weight decay pulls it towards 1."""
-
-    def __init__(self, normalization: str, hidden: int, eps: float, *, dtype, device):
-        super().__init__()
-        self.layer = normalization == "LayerNorm"
-        self.shape, self.eps = (hidden,), eps
-        self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
-        self.bias = (
-            nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if self.layer else None
-        )
-
-    def forward(self, x):  # [..., h] -> [..., h]
-        if self.layer:
-            return F.layer_norm(x, self.shape, 1.0 + self.weight, self.bias, self.eps)
-        return F.rms_norm(x, self.shape, 1.0 + self.weight, self.eps)
-
-
-class SdpaAttention(nn.Module):
-    """Causal softmax(q k^T / sqrt(d)) v of this rank's heads with torch's SDPA. Grouped-query:
-    ``kv_heads`` < ``heads``, each kv head serving ``heads / kv_heads`` query heads. Dropout on the
-    attention probabilities runs on the TP RNG stream (each rank's heads differ, as one process's
-    heads do). ``mask`` [b, 1, s, s] (True: attend) replaces the causal mask (the documents of
-    ``--reset-attention-mask``); grouped-query k and v are then repeated per query head, since
-    SDPA's memory-efficient kernel, the one that takes a mask, does not group heads itself."""
-
-    def __init__(self, heads: int, head_dim: int, kv_heads: int, dropout: float, rng=None):
-        super().__init__()
-        self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
-        self.dropout, self.rng = dropout, rng
-
-    def forward(self, q, k, v, mask=None):  # q [s, b, np, hd], k/v [s, b, kvp, hd]
-        s, b = q.shape[:2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hd]
-        p = self.dropout if self.training else 0.0
-        gqa = self.kv_heads != self.heads
-        if mask is not None and gqa:
-            rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            gqa = False
-        fork = self.rng.fork(TP_STREAM) if p > 0 and self.rng is not None else None
-        with fork or contextlib.nullcontext():
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=gqa
-            )  # [b, np, s, hd]
-        return o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, np*hd]
-
-
-# Llama 3.1's RoPE scaling (Megatron's --use-rope-scaling): its fixed frequency bands
-ROPE_SCALING_BANDS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_context=8192)
-
-
-def scale_rope_frequencies(inv: torch.Tensor, factor: float) -> torch.Tensor:
-    """Llama 3.1's RoPE scaling of the frequencies ``inv``: with L the original context (8192),
-    a frequency whose wavelength 2 pi / f is below L / 4 stays, above L / 1 it is divided by
-    ``factor``, and in between it moves smoothly from one to the other:
-    (1 - t) f / factor + t f with t = (L / wavelength - 1) / (4 - 1)."""
-    b = ROPE_SCALING_BANDS
-    lo, hi, ctx = b["low_freq_factor"], b["high_freq_factor"], b["original_context"]
-    wavelength = 2 * math.pi / inv
-    t = (ctx / wavelength - lo) / (hi - lo)
-    mid = (1 - t) * inv / factor + t * inv
-    out = torch.where(wavelength > ctx / lo, inv / factor, mid)
-    return torch.where(wavelength < ctx / hi, inv, out)
-
-
-def rope_angles(
-    seq: int, dim: int, base: float, device, scaling: float | None = None
-) -> torch.Tensor:
-    """position * base^(-2i/dim), fp32 [s, 1, 1, dim] (both halves alike); ``scaling``: the
-    factor of Llama 3.1's frequency scaling (None: none)."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    if scaling is not None:
-        inv = scale_rope_frequencies(inv, scaling)
-    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # [s, d/2]
-    return torch.cat([ang, ang], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
-
-
-def rope_tables(
-    seq: int, dim: int, base: float, device, scaling: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the RoPE angles, each [s, 1, 1, dim]."""
-    ang = rope_angles(seq, dim, base, device, scaling)
-    return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, n, d]; rotate-half RoPE (Megatron's non-interleaved layout), in fp32."""
-    d = x.shape[-1] // 2
-    rot = torch.cat([-x[..., d:], x[..., :d]], dim=-1)  # [s, b, n, d]: (-x2, x1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
 
 class Backend:
@@ -322,76 +212,6 @@ class Backend:
 
     def load_state_dict(self, sd: dict) -> None:
         pass
-
-
-_LAYER = re.compile(r"(?:^|\.)(layers\.\d+)(?:\.|$)")
-
-
-def layer_name(name: str) -> str | None:
-    """The transformer layer of a GEMM or module name: "chunks.0.layers.3.mlp.fc1" -> "layers.3"
-    (layer indices are global, one process's); None outside the layers."""
-    m = _LAYER.search(name)
-    return m.group(1) if m else None
-
-
-class Fp8OverflowGuard:
-    """``--fp8-overflow-fallback-steps K``: a layer whose FP8 casts overflow (the backend's
-    ``fp8_overflows``) in K iterations in a row leaves FP8 for good: ``fall_back_to_bf16``.
-
-    After each iteration one MAX all-reduce over every rank of a per-layer flag vector (a
-    superset of the TP x DP ranks that hold shards and replicas of a layer, so those agree, and
-    every pipeline stage learns of every layer, rank 0 included, which logs the fallback once).
-    The fallen-back layers and the current runs are checkpointed (``state_dict``) and applied
-    again on load."""
-
-    def __init__(self, backend, model, num_layers: int, steps: int | None, rank0: bool, device):
-        self.backend, self.model, self.steps, self.rank0 = backend, model, steps, rank0
-        self.device = device
-        self.runs = [0] * num_layers  # iterations in a row with an overflow, per layer
-        self.fallen: list[str] = []
-
-    def after_iteration(self, iteration: int) -> list[str]:
-        """Returns the layers that fell back now."""
-        if self.steps is None:
-            return []
-        flags = torch.zeros(len(self.runs), dtype=torch.float32, device=self.device)
-        for lay, flag in self.backend.fp8_overflows(self.model).items():
-            i = int(lay.split(".")[1])
-            flags[i] = torch.maximum(flags[i], flag.to(flags))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        new = []
-        for i, f in enumerate(flags.tolist()):
-            name = f"layers.{i}"
-            self.runs[i] = self.runs[i] + 1 if f > 0 and name not in self.fallen else 0
-            if self.runs[i] >= self.steps:
-                new.append(name)
-                self.runs[i] = 0
-        for name in new:
-            self.fall_back(name)
-            if self.rank0:
-                log.warning(
-                    "FP8 overflow in %s for %d iterations in a row (to iteration %d): its GEMMs "
-                    "run without FP8 from iteration %d on",
-                    name, self.steps, iteration, iteration + 1,
-                )  # fmt: skip
-        return new
-
-    def fall_back(self, name: str) -> None:
-        self.backend.fall_back_to_bf16(self.model, name)
-        if name not in self.fallen:
-            self.fallen.append(name)
-
-    def state_dict(self) -> dict:
-        return {"layers": list(self.fallen), "runs": list(self.runs)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        for name in sd.get("layers", []):
-            self.fall_back(name)
-        if len(sd.get("runs", [])) == len(self.runs):
-            self.runs = list(sd["runs"])
-        if self.fallen and self.rank0:
-            log.info("FP8 off (fallen back after overflows) in: %s", ", ".join(self.fallen))
 
 
 @contextlib.contextmanager

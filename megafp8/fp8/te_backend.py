@@ -14,7 +14,9 @@ import warnings
 
 import torch
 
-from megafp8.fp8.backend import Backend, SdpaAttention, apply_rope, layer_name, rope_angles
+from megafp8.fp8.backend import Backend
+from megafp8.fp8.overflow_guard import layer_name
+from megafp8.fp8.plain_ops import SdpaAttention, apply_rope, rope_angles
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.fp8.te_modules import TEFusedMLP, TEGroupedLinear, TELinear, WeightCache
 from megafp8.parallel import mappings as M

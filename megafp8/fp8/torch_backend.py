@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megafp8.fp8.backend import Backend, PlainLinear, layer_name
+from megafp8.fp8.backend import Backend
+from megafp8.fp8.overflow_guard import layer_name
+from megafp8.fp8.plain_ops import PlainLinear
 from megafp8.fp8.recipe import Fp8Recipe, Fp8State, ScaleTape, ScalingMeta
 from megafp8.parallel.mappings import world
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megafp8.config import Config, ModelConfig
-from megafp8.fp8.backend import ROPE_SCALING_BANDS
+from megafp8.fp8.plain_ops import ROPE_SCALING_BANDS
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 LLAMA_LIKE = ("llama", "qwen2")  # the same tensor names; Qwen2 adds q, k, v biases

@@ -70,7 +70,7 @@ def _fp8_gemms(model, backend):
 
 def _loss_without_fp8(model, backend, gemms, batch):
     """The same weights and batch with every FP8 GEMM switched to its bf16 path."""
-    from megafp8.fp8.backend import PlainLinear
+    from megafp8.fp8.plain_ops import PlainLinear
 
     for m in gemms:
         if backend == "te":

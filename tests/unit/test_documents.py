@@ -124,7 +124,8 @@ def test_te_backend_rope_per_sample_is_the_torch_rope():
     """TE's fused RoPE kernels take one table row per position; per-sample positions take the
     torch path inside the te backend: equal, bit for bit, to the torch backend's. The documents'
     mask makes the te backend's core attention torch's SDPA."""
-    from megafp8.fp8.backend import Backend, SdpaAttention, rope_angles, rope_tables
+    from megafp8.fp8.backend import Backend
+    from megafp8.fp8.plain_ops import SdpaAttention, rope_angles, rope_tables
     from megafp8.fp8.te_backend import TEBackend
     from megafp8.model.documents import gather_tables
 

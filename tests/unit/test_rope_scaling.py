@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megafp8.fp8.backend import rope_angles
+from megafp8.fp8.plain_ops import rope_angles
 from megafp8.hf.families import model_config_from_hf
 
 BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
