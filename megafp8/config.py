@@ -300,6 +300,10 @@ class TrainConfig:
         (), "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT, evenly over "
         "SAMPLES samples, to global_batch_size (Megatron's ramp-up)"
     )  # fmt: skip
+    step_batch_size_schedule: str | None = _f(
+        None, '"THRESHOLD:BS ...": global batch BS from THRESHOLD tokens on (K/M/B/T suffixes, '
+        "the first 0); the last BS is the global batch (Megatron's step schedule)"
+    )  # fmt: skip
     train_iters: int = _f(10, "optimizer steps to train")
     seed: int = _f(1234, "seed of weights, data order and dropout")
     bf16: bool = _f(False, "bf16 parameters and activations (fp32 otherwise)")

@@ -25,9 +25,69 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 
 
 def global_batch_size(cfg: Config, dp: int) -> int:
-    """Samples per optimizer step: ``global_batch_size``, or one micro-batch per DP rank."""
+    """Samples per optimizer step: ``global_batch_size``, or the last batch of a step schedule, or
+    one micro-batch per DP rank."""
     t = cfg.train
+    steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+    if steps:
+        return steps[-1][1]
     return t.global_batch_size or t.micro_batch_size * dp
+
+
+_SUFFIX = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _count(text: str, entry: str, what: str) -> int:
+    """ "250B" -> 250 * 10**9 (K, M, B, T suffixes; a decimal before one: "1.5B")."""
+    t = text.strip().upper()
+    mult = _SUFFIX.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(
+            f'step_batch_size_schedule entry "{entry}": {what} "{text}" is not a number '
+            "(K, M, B, T suffixes allowed)"
+        ) from None
+
+
+def parse_step_schedule(value, seq_length: int) -> list[tuple[int, int]] | None:
+    """Megatron's ``--step-batch-size-schedule`` "THRESHOLD:BS THRESHOLD:BS ..." (spaces or
+    commas; K, M, B, T suffixes) -> [(threshold in samples, global batch)], sorted. Thresholds
+    are tokens, turned into samples by ``// seq_length``; the first must be 0, the rest
+    strictly increasing (in samples), every batch >= 1. None when not given."""
+    if not value:
+        return None
+    steps = []
+    for entry in str(value).replace(",", " ").split():
+        if ":" not in entry:
+            raise ValueError(
+                f'step_batch_size_schedule entry "{entry}": give THRESHOLD:BATCH_SIZE '
+                '(e.g. "0:768 250B:1536")'
+            )
+        th, bs = entry.split(":", 1)
+        steps.append((_count(th, entry, "threshold") // seq_length, _count(bs, entry, "batch")))
+    steps.sort(key=lambda x: x[0])
+    if steps[0][0] != 0:
+        raise ValueError(
+            f"step_batch_size_schedule={value!r}: the first threshold must be 0 "
+            f"(the smallest is {steps[0][0]} samples)"
+        )
+    for (a, _), (b, _) in zip(steps[:-1], steps[1:], strict=True):
+        if b <= a:
+            raise ValueError(
+                f"step_batch_size_schedule={value!r}: thresholds must be strictly increasing in "
+                f"samples (tokens // seq_length={seq_length}); two fall at {a} samples"
+            )
+    if any(bs < 1 for _, bs in steps):
+        raise ValueError(f"step_batch_size_schedule={value!r}: every batch size must be >= 1")
+    return steps
+
+
+def _scheduled(gbs: int, ramp, steps, consumed: int) -> int:
+    """The batch due at ``consumed`` samples under a step schedule, else a ramp-up, else G."""
+    if steps:
+        return [bs for th, bs in steps if th <= consumed][-1]
+    return ramp_batch(gbs, ramp, consumed)
 
 
 def parse_rampup(value) -> tuple[int, int, int] | None:
@@ -48,9 +108,16 @@ def batch_size_at(cfg, dp: int, consumed: int) -> int:
     """The global batch of the iteration that starts after ``consumed`` samples. With
     Megatron's ramp-up (START, INCREMENT, SAMPLES) and global batch G: (G - START) / INCREMENT
     steps share SAMPLES evenly, each interval SAMPLES / steps samples long; the batch is START +
-    INCREMENT x the intervals completed, and G once more than SAMPLES samples are consumed."""
-    return ramp_batch(global_batch_size(cfg, dp), parse_rampup(cfg.train.rampup_batch_size),
-                      consumed)  # fmt: skip
+    INCREMENT x the intervals completed, and G once more than SAMPLES samples are consumed.
+    With a step schedule: the batch of the last threshold at or below ``consumed``."""
+    return _scheduled(*_plan(cfg, dp), consumed)
+
+
+def _plan(cfg, dp: int):
+    """(G, the parsed ramp-up or None, the parsed step schedule or None)."""
+    t = cfg.train
+    steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+    return global_batch_size(cfg, dp), parse_rampup(t.rampup_batch_size), steps
 
 
 def ramp_valid(gbs: int, ramp: tuple[int, int, int]) -> bool:
@@ -68,21 +135,34 @@ def ramp_batch(gbs: int, ramp: tuple[int, int, int] | None, consumed: int) -> in
     return start + int(consumed / per) * incr
 
 
-def ramp_sizes(cfg, dp: int) -> list[int]:
-    """Every global batch a run can take: the ramp's, then global_batch_size."""
-    gbs, ramp = global_batch_size(cfg, dp), parse_rampup(cfg.train.rampup_batch_size)
+def ramp_sizes(cfg, dp: int, consumed: int = 0) -> list[int]:
+    """Every global batch a run can take from ``consumed`` samples on: the ramp's or the step
+    schedule's, then global_batch_size."""
+    gbs, ramp, steps = _plan(cfg, dp)
+    if steps:
+        due = _scheduled(gbs, ramp, steps, consumed)
+        return list(dict.fromkeys([due] + [bs for th, bs in steps if th > consumed]))
     return [gbs] if ramp is None else [*range(ramp[0], gbs, ramp[1]), gbs]
 
 
 def train_samples(cfg, dp: int) -> int:
     """The samples the run's ``train_iters`` iterations consume (each its own global batch)."""
-    gbs, ramp = global_batch_size(cfg, dp), parse_rampup(cfg.train.rampup_batch_size)
-    if not ramp:
+    gbs, ramp, steps = _plan(cfg, dp)
+    if not ramp and not steps:
         return cfg.train.train_iters * gbs
     consumed = 0
     for _ in range(cfg.train.train_iters):
-        consumed += ramp_batch(gbs, ramp, consumed)
+        consumed += _scheduled(gbs, ramp, steps, consumed)
     return consumed
+
+
+def iters_for_samples(samples: int, gbs: int, ramp, steps) -> int:
+    """Iterations until ``samples`` are consumed, each taking the batch due then (Megatron's
+    count for ``--train-samples`` under a ramp-up or a step schedule)."""
+    iters = consumed = 0
+    while consumed < samples:
+        consumed, iters = consumed + _scheduled(gbs, ramp, steps, consumed), iters + 1
+    return iters
 
 
 def parse_data_path(data_path) -> list[tuple[float, str]]:

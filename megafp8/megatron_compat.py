@@ -212,18 +212,24 @@ def _iters(name: str, samples: int, gbs: int | None) -> int:
 
 
 def _ramped_iters(samples: int, gbs: int | None, values: dict) -> int:
-    """--train-samples under a ramp-up: the iterations until that many samples are consumed,
-    each taking its own global batch (Megatron's count)."""
-    from megafp8.config_values import parse_rampup, ramp_batch, ramp_valid
+    """--train-samples under a ramp-up or a step schedule: the iterations until that many
+    samples are consumed, each taking its own global batch (Megatron's count)."""
+    from megafp8.config_values import iters_for_samples, parse_rampup, ramp_valid
 
     if not gbs:
         raise ValueError(f"--train-samples {samples} needs --global-batch-size to count iterations")
-    ramp, iters, consumed = parse_rampup(_get(values, "rampup_batch_size")), 0, 0
-    if not ramp_valid(gbs, ramp):
+    steps = _steps(values)
+    ramp = None if steps else parse_rampup(_get(values, "rampup_batch_size"))
+    if ramp is not None and not ramp_valid(gbs, ramp):
         return samples // gbs  # validate() names the bad ramp-up
-    while consumed < samples:
-        consumed, iters = consumed + ramp_batch(gbs, ramp, consumed), iters + 1
-    return iters
+    return iters_for_samples(samples, gbs, ramp, steps)
+
+
+def _steps(values: dict):
+    """The parsed ``--step-batch-size-schedule`` (None without one)."""
+    from megafp8.config_values import parse_step_schedule
+
+    return parse_step_schedule(_get(values, "step_batch_size_schedule"), _get(values, "seq_length"))
 
 
 def _get(values: dict, name: str):
@@ -242,7 +248,8 @@ def resolve(given: dict, values: dict) -> list[str]:
             raise ValueError(f"--{f.name}: {f.help}")
         if f.action == "notice":
             notices.append(f"--{f.name} has no effect here: {f.help}")
-    gbs = _get(values, "global_batch_size")
+    steps = _steps(values)  # its last batch is the global batch
+    gbs = steps[-1][1] if steps else _get(values, "global_batch_size")
     if given.get("use_distributed_optimizer"):
         values.setdefault("zero_stage", 1)
     for flag, field in (
@@ -254,7 +261,7 @@ def resolve(given: dict, values: dict) -> list[str]:
         if (
             given.get(flag) is not None
             and flag == "train_samples"
-            and _get(values, "rampup_batch_size")
+            and (_get(values, "rampup_batch_size") or steps)
         ):
             values[field] = _ramped_iters(given[flag], gbs, values)
         elif given.get(flag) is not None:

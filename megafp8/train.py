@@ -48,7 +48,7 @@ from megafp8.run_hooks import (
     reach_master,
 )
 from megafp8.run_state import lrs, resume, save, schedule_steps
-from megafp8.validate import validate
+from megafp8.validate import check_batches, validate
 
 log = logging.getLogger("megafp8")
 
@@ -222,6 +222,10 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     _attach_policies(run, rank0)
     if t.load:
         resume(run)
+        errors: list[str] = []  # a step schedule's batches still due must fit this layout
+        check_batches(cfg, run.groups.dp, run.consumed, errors)
+        if errors:
+            raise ValueError(f"at {run.consumed} consumed samples: {errors[0]}")
     dp = run.groups.dp
     if rank0:
         for d in (t.save, lg.tensorboard_dir):

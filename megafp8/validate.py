@@ -16,6 +16,7 @@ from megafp8.config_values import (
     parse_data_path,
     parse_rampup,
     parse_split,
+    parse_step_schedule,
     ramp_sizes,
     ramp_valid,
     split_paths,
@@ -286,12 +287,20 @@ def _fp8(cfg: Config, e: list[str]) -> None:
 def _batch(cfg: Config, dp: int, e: list[str]) -> None:
     """global batch = micro batch x dp x accumulation steps, for every batch of a ramp-up."""
     t = cfg.train
-    gbs = global_batch_size(cfg, dp)
     try:
         ramp = parse_rampup(t.rampup_batch_size)
+        steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
     except ValueError as exc:
         e.append(str(exc))
         return
+    if steps and (t.global_batch_size is not None or ramp is not None):
+        other = "global_batch_size" if t.global_batch_size is not None else "rampup_batch_size"
+        e.append(
+            f"step_batch_size_schedule and {other}: give one (the schedule's last batch, "
+            f"{steps[-1][1]}, is the global batch)"
+        )
+        return
+    gbs = global_batch_size(cfg, dp)
     if ramp is not None:
         start, incr, samples = ramp
         if not ramp_valid(gbs, ramp):
@@ -301,10 +310,21 @@ def _batch(cfg: Config, dp: int, e: list[str]) -> None:
                 "SAMPLES >= 1"
             )
             return
-    p = cfg.parallel
+    # resuming, a step schedule's batches already passed need not fit this layout (Megatron's
+    # rule): here the last one only; run_state.resume checks those still due once the consumed
+    # samples are known
+    check_batches(cfg, dp, steps[-1][0] if steps and t.load else 0, e)
+
+
+def check_batches(cfg: Config, dp: int, consumed: int, e: list[str]) -> None:
+    """Each global batch due from ``consumed`` samples on fills whole micro-batches on every DP
+    rank (and, interleaved, a multiple of PP micro-batches)."""
+    t, p = cfg.train, cfg.parallel
+    gbs = global_batch_size(cfg, dp)
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    for size in ramp_sizes(cfg, dp):
-        name = "global_batch_size" if size == gbs else "a ramp-up batch"
+    kind = "a step-schedule batch" if t.step_batch_size_schedule else "a ramp-up batch"
+    for size in ramp_sizes(cfg, dp, consumed):
+        name = "global_batch_size" if size == gbs else kind
         if size % (t.micro_batch_size * dp):
             e.append(
                 f"{name}={size} is not divisible by micro_batch_size={t.micro_batch_size} "
