@@ -18,6 +18,8 @@ from megafp8.optim.schedule import learning_rate
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
 from tests.parallel.test_pp_train import _check
+from tests.parallel.test_rampup import _cfg as ramp_cfg
+from tests.parallel.test_rampup import _records
 
 SEQ = 32  # tiny_config's seq_length: thresholds are tokens, 32 per sample
 
@@ -43,22 +45,11 @@ def test_megatron_example_by_hand():
 
 
 def _cfg(**kw):
-    base = dict(
-        train=dict(train_iters=6, micro_batch_size=2, global_batch_size=None,
-                   step_batch_size_schedule=f"0:2 {4 * SEQ}:4 {12 * SEQ}:8"),
-        optim=dict(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine"),
-        model=dict(num_layers=4, num_query_groups=2),
-    )  # fmt: skip
-    for k, v in kw.items():
-        base.setdefault(k, {}).update(v)
-    return tiny_config(**base)
-
-
-def _records(cfg):
-    from megafp8.train import train
-
-    return [(r["lm loss"], r["grad norm"], r["global batch size"], r["learning rate"])
-            for r in train(cfg)]  # fmt: skip
+    """test_rampup's run (4 layers, micro-batch 2, 6 iterations, warmup 2, cosine) with the
+    schedule 2 from 0, 4 from 4 samples, 8 from 12 in place of its ramp-up."""
+    sched = dict(global_batch_size=None, rampup_batch_size=(),
+                 step_batch_size_schedule=f"0:2 {4 * SEQ}:4 {12 * SEQ}:8")  # fmt: skip
+    return ramp_cfg(**{**kw, "train": {**sched, **kw.get("train", {})}})
 
 
 def test_trains_with_the_scheduled_batches_and_sample_counted_lr():
