@@ -1,8 +1,8 @@
 """Megatron's batch-size ramp-up (``--rampup-batch-size START INCREMENT SAMPLES``): the batch of
 each iteration against Megatron's definition worked by hand; training through it: the small
 batches equal a run of that constant batch bit for bit, a resume mid-ramp continues bit for bit,
-the lr schedule counts samples, and DP 2 and PP 2 (1F1B, 1 to 4 micro-batches) equal one
-process."""
+the lr schedule counts samples, and DP 2, PP 2 (1F1B, 1 to 4 micro-batches) and PP 2 x VPP 2
+(interleaved, 2 to 8 micro-batches) equal one process."""
 
 import pytest
 
@@ -77,8 +77,17 @@ def test_resume_mid_ramp_is_bit_identical(tmp_path):
 
 @pytest.mark.parametrize(
     "world,train,parallel",
-    [(2, dict(micro_batch_size=1), {}), (2, {}, dict(pipeline_model_parallel_size=2))],
-    ids=["dp2", "pp2"],
+    [
+        (2, dict(micro_batch_size=1), {}),
+        (2, {}, dict(pipeline_model_parallel_size=2)),
+        # interleaved: 2, 2, 4, 6, 8, 8 micro-batches, each a multiple of PP
+        (
+            2,
+            dict(micro_batch_size=1),
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ),
+    ],
+    ids=["dp2", "pp2", "pp2-vpp2"],
 )
 def test_parallel_ramp_matches_one_process(world, train, parallel):
     ref = run_distributed(_records, 1, _cfg())[0]
