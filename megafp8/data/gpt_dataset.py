@@ -141,22 +141,21 @@ def cached_arrays(
 
 
 class MockIndexedDataset:
-    """Megatron-style mock documents: seeded random lengths, tokens ``1, 2, 3, ...`` then EOD.
-
-    Document ``i`` of length ``n`` is ``[1, 2, ..., n-1, eod]``; lengths are drawn uniformly from
-    ``[1, max_length]`` with ``max_length < vocab_size`` so every token id is below the vocab.
-    """
+    """Megatron-LM's mock documents, the same bytes: document ``i`` of length ``n`` is
+    ``[1, 2, ..., n-1] % vocab_size`` then EOD; the lengths are drawn from
+    ``numpy.random.default_rng(seed)`` as int32 integers in ``[1, max_length]``. Megatron-LM main
+    fixes 100000 documents, seed 0 and lengths up to 4095 (``loader.MOCK_*``), whatever the run's
+    ``--seed`` (which still shuffles the documents into samples)."""
 
     def __init__(self, num_sequences: int, vocab_size: int, eod: int, seed: int, max_length: int):
-        max_length = min(max_length, vocab_size - 1)
-        if max_length < 1 or not 0 <= eod < vocab_size:
+        if max_length < 1 or vocab_size < 2 or not 0 <= eod < vocab_size:
             raise ValueError(
-                f"mock data needs vocab_size >= 2 and 0 <= eod < vocab "
-                f"(vocab_size={vocab_size}, eod={eod})"
+                f"mock data needs vocab_size >= 2, 0 <= eod < vocab and max_length >= 1 "
+                f"(vocab_size={vocab_size}, eod={eod}, max_length={max_length})"
             )
         rng = np.random.default_rng(seed)
-        self.sequence_lengths = rng.integers(1, max_length + 1, num_sequences).astype(np.int32)
-        self.eod = eod
+        self.sequence_lengths = rng.integers(1, max_length + 1, num_sequences, dtype=np.int32)
+        self.eod, self.vocab_size = eod, vocab_size
         self.dtype = np.dtype(np.int64)
 
     def __len__(self) -> int:
@@ -165,7 +164,7 @@ class MockIndexedDataset:
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         size = int(self.sequence_lengths[i])
         length = size - offset if length is None else length
-        tokens = np.arange(offset + 1, offset + length + 1, dtype=np.int64)
+        tokens = np.arange(offset + 1, offset + length + 1, dtype=np.int64) % self.vocab_size
         if offset + length == size and length:
             tokens[-1] = self.eod
         return tokens

@@ -30,7 +30,9 @@ from megafp8.data.tokenizer import DEFAULT_MOCK_VOCAB_SIZE, check_data_tokenizer
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
-MOCK_NUM_SEQUENCES = 16384
+# Megatron-LM main's mock documents (MockGPTLowLevelDataset): their number, the seed of their
+# lengths and the longest one, all fixed there
+MOCK_NUM_SEQUENCES, MOCK_SEED, MOCK_MAX_LENGTH = 100_000, 0, 4095
 
 
 def split_sample_counts(cfg, dp_size: int) -> dict[str, int]:
@@ -47,9 +49,7 @@ def _mock_low(cfg, tokenizer):
     else:
         vocab = cfg.model.vocab_size or DEFAULT_MOCK_VOCAB_SIZE
         eod = vocab - 1
-    return MockIndexedDataset(
-        MOCK_NUM_SEQUENCES, vocab, eod, cfg.train.seed, max_length=4 * cfg.model.seq_length
-    )
+    return MockIndexedDataset(MOCK_NUM_SEQUENCES, vocab, eod, MOCK_SEED, MOCK_MAX_LENGTH)
 
 
 def _cache_dir(cfg, prefix: str) -> str:

@@ -113,3 +113,23 @@ def test_unwritable_cache_falls_back_to_memory(tmp_path, caplog):
     ref = GPTDataset(low, np.arange(20), 8, 30, seed=2, cache_dir=None)
     np.testing.assert_array_equal(ds.shuffle_index, ref.shuffle_index)
     assert "cannot write the index cache" in caplog.text
+
+
+def test_mock_documents_are_megatrons():
+    """Megatron-LM main's mock documents: 100000 of them, int32 lengths drawn by
+    ``default_rng(0)`` in [1, 4095] whatever the run's seed, document i = [1 .. L-1] modulo the
+    vocab, then EOD."""
+    from megafp8.data.loader import MOCK_MAX_LENGTH, MOCK_NUM_SEQUENCES, MOCK_SEED, _mock_low
+    from tests.helpers.tiny import tiny_config
+
+    assert (MOCK_NUM_SEQUENCES, MOCK_SEED, MOCK_MAX_LENGTH) == (100_000, 0, 4095)
+    low = _mock_low(tiny_config(model=dict(vocab_size=1024), train=dict(seed=7)), None)
+    want = np.random.default_rng(0).integers(1, 4096, 100_000, dtype=np.int32)
+    np.testing.assert_array_equal(low.sequence_lengths, want)
+    i = int(np.argmax(want > 2100))  # a document longer than two vocabs: its ids wrap
+    n = int(want[i])
+    doc = low.get(i)
+    np.testing.assert_array_equal(doc[:-1], np.arange(1, n) % 1024)
+    assert doc[-1] == 1023 and len(doc) == n
+    np.testing.assert_array_equal(low.get(i, 1020, 8), np.arange(1021, 1029) % 1024)
+    assert list(low.get(int(np.argmax(want == 1)))) == [1023]  # length 1: EOD alone

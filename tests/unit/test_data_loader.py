@@ -45,11 +45,12 @@ def test_batch_layout_and_mock_content():
     assert b["loss_mask"].dtype == torch.float32 and torch.all(b["loss_mask"] == 1)
     assert torch.equal(b["tokens"][:, 1:], b["labels"][:, :-1])
     full = torch.cat([b["tokens"], b["labels"][:, -1:]], 1).numpy()
-    assert full.max() < 256 and full.min() >= 1
-    # Within a document the tokens count up by one; a new one starts at 1 after EOD (255).
+    assert full.max() < 256 and full.min() >= 0
+    # Within a document the tokens count up by one modulo the vocab (256); a document ends with
+    # EOD (255) and the next starts at 1.
     for row in full:
         for a, c in zip(row[:-1], row[1:], strict=True):
-            assert c == a + 1 or (a == 255 and c == 1) or c == 255
+            assert c == (a + 1) % 256 or c == 1 or c == 255
 
 
 def test_sample_counts():
