@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Kernel probes on the Llama-3-8B shape (one GPU, TE): alternatives for three places where the
+side-by-side profiles differ, each timed with CUDA events (mean ms per call after 3 warm-ups).
+
+- ``rope``: the grouped QKV output [8192, 1, 8, 6 x 128] to q, k, v with RoPE on q and k,
+  forward and backward: TE's fused QKV-split RoPE (the te backend's ``split_qkv``) against a
+  split, the grouped-query q copy and TE's RoPE on q and on k (Megatron-LM's way).
+- ``embedding``: the word embedding's gradient over 8 micro-batches of 8192 tokens (vocab
+  128256 x 4096): autograd's dense per-micro-batch gradient added into ``.grad`` against
+  ``index_add_`` of the rows into one buffer.
+- ``output``: the output layer's three bf16 GEMMs (8192 x 4096 x 128256), the backward ones with
+  the logits gradient from megafp8's Triton loss, from torch's cross-entropy, and random values
+  of the same spread, in two rounds (at a power limit a GEMM's time depends on its data).
+
+    python bench/kernel_probes.py --json probes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+S, H, V, GROUPS, HPG, HD = 8192, 4096, 128256, 8, 4, 128
+
+
+def timed(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def rope() -> dict:
+    from transformer_engine.pytorch.attention.rope import (
+        apply_fused_qkv_rotary_pos_emb,
+        apply_rotary_pos_emb,
+    )
+    from transformer_engine.pytorch.utils import SplitAlongDim
+
+    from megafp8.fp8.plain_ops import rope_angles
+
+    freqs = rope_angles(S, HD, 500000.0, "cuda")
+    qkv = torch.randn(S, 1, GROUPS, (HPG + 2) * HD, device="cuda", dtype=torch.bfloat16)
+    qkv.requires_grad_(True)
+    grads = [torch.randn(S, 1, n, HD, device="cuda", dtype=torch.bfloat16)
+             for n in (GROUPS * HPG, GROUPS, GROUPS)]  # fmt: skip
+
+    def fused():
+        q, k, v = apply_fused_qkv_rotary_pos_emb(
+            qkv, freqs, freqs, [HPG * HD, HD, HD], tensor_format="sbhd"
+        )
+        torch.autograd.backward([t.reshape(S, 1, -1, HD) for t in (q, k, v)], grads)
+
+    def split_then_rope():
+        q, k, v = SplitAlongDim.apply(qkv.view(S, 1, GROUPS, HPG + 2, HD), 3, [HPG, 1, 1])
+        q = apply_rotary_pos_emb(
+            q.reshape(S, 1, GROUPS * HPG, HD), freqs, tensor_format="sbhd", fused=True
+        )
+        k = apply_rotary_pos_emb(k.squeeze(3), freqs, tensor_format="sbhd", fused=True)
+        torch.autograd.backward([q, k, v.squeeze(3)], grads)
+
+    return {"fused_qkv_rope_ms": timed(fused), "split_and_two_ropes_ms": timed(split_then_rope)}
+
+
+def embedding() -> dict:
+    w = (0.02 * torch.randn(V, H, device="cuda")).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, V, (1, S), device="cuda")
+    g = torch.randn(1, S, H, device="cuda", dtype=torch.bfloat16)
+
+    def dense():
+        w.grad = None
+        for _ in range(8):
+            F.embedding(tokens, w).backward(g)
+
+    def index_add():
+        buf = torch.zeros_like(w)
+        for _ in range(8):
+            buf.index_add_(0, tokens.view(-1), g.view(-1, H))
+
+    return {"dense_8_microbatches_ms": timed(dense, 5), "index_add_8_microbatches_ms":
+            timed(index_add, 5)}  # fmt: skip
+
+
+def output() -> dict:
+    from megafp8.parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megafp8.parallel.mappings import SOLO
+
+    x = F.rms_norm(torch.randn(S, H, device="cuda"), (H,)).bfloat16()
+    w = (0.02 * torch.randn(V, H, device="cuda")).bfloat16()
+    logits = x @ w.t()
+    target = (torch.arange(S, device="cuda") + 1) % V
+    g = torch.full((S,), 1.0 / (S * 8), device="cuda")
+    ours = logits.clone().requires_grad_(True)
+    loss = fused_vocab_parallel_cross_entropy(ours.view(S, 1, V), target.view(S, 1), SOLO, 0)
+    (gy_ours,) = torch.autograd.grad(loss, ours, g.view(S, 1))
+    ref = logits.float().requires_grad_(True)
+    (gy_torch,) = torch.autograd.grad(F.cross_entropy(ref, target, reduction="none"), ref, g)
+    gy_torch = gy_torch.bfloat16()
+    gy_rand = (torch.randn(S, V, device="cuda") * gy_torch.float().std()).bfloat16()
+    out = {"gradients_differ_share": (gy_ours != gy_torch).float().mean().item()}
+    for r in range(2):
+        out[f"forward_ms_{r}"] = timed(lambda: F.linear(x, w))
+        for name, gy in (("ours", gy_ours), ("torch", gy_torch), ("random", gy_rand)):
+            out[f"dgrad_{name}_ms_{r}"] = timed(lambda gy=gy: gy.mm(w))
+            out[f"wgrad_{name}_ms_{r}"] = timed(lambda gy=gy: gy.t().mm(x))
+    return out
+
+
+PROBES = {"rope": rope, "embedding": embedding, "output": output}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--probes", nargs="+", default=list(PROBES), choices=list(PROBES))
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("error: the kernel probes need a CUDA GPU", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    res = {name: PROBES[name]() for name in a.probes}
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
