@@ -10,8 +10,16 @@ from tests.parallel.test_pp_train import _check, _norms
 
 
 def _cfg(pos_type, docs=True, **parallel):
+    # vocab 32: the mock documents count modulo 32, so every 33-token sample holds the EOD id 31;
+    # padded to 32 by one process and by TP 2 alike (the same model)
     return tiny_config(
-        model=dict(num_layers=4, num_query_groups=2, position_embedding_type=pos_type),
+        model=dict(
+            num_layers=4,
+            num_query_groups=2,
+            position_embedding_type=pos_type,
+            vocab_size=32,
+            make_vocab_size_divisible_by=16,
+        ),
         optim=dict(clip_grad=0.05),
         data=dict(reset_position_ids=docs, reset_attention_mask=docs),
         parallel=parallel,
