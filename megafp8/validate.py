@@ -311,8 +311,8 @@ def _batch(cfg: Config, dp: int, e: list[str]) -> None:
             )
             return
     # resuming, a step schedule's batches already passed need not fit this layout (Megatron's
-    # rule): here the last one only; run_state.resume checks those still due once the consumed
-    # samples are known
+    # rule): here the last one only; train() checks those still due once the resume has set the
+    # consumed samples
     check_batches(cfg, dp, steps[-1][0] if steps and t.load else 0, e)
 
 
