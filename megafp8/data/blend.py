@@ -1,6 +1,6 @@
 """Weighted blends (``--data-path 0.7 A 0.3 B``) and train/valid/test splits (``--split 969,30,1``).
 
-Split: each dataset's sequences are cut into three contiguous ranges, with Megatron's rounding.
+Split: each dataset's sequences are cut into three contiguous ranges, with Megatron-LM's rounding.
 Blend: the counts are apportioned exactly (largest remainder: dataset ``d`` gets ``N * w_d``
 rounded so the counts sum to ``N``), then interleaved smoothly: dataset ``d``'s ``k``-th sample
 sits at time ``(k + 0.5) / c_d`` and all samples are merged by time (ties by dataset order). Every
@@ -21,12 +21,14 @@ _BLOCK = 1 << 22  # samples merged per block (bounded memory for huge blends)
 
 
 def split_ranges(num: int, fractions: list[float]) -> list[tuple[int, int]]:
-    """Megatron's split of ``num`` elements: cumulative rounding, the error taken off the end."""
-    bounds = [0]
+    """Megatron-LM's split of ``num`` elements: split ``i`` runs from ``round(c_i * num)`` to
+    ``round(c_{i+1} * num)``, where ``c`` are the cumulative sums of the (normalized) fractions
+    starting at 0, added left to right in float64 and rounded half to even, as Python's ``round``
+    (a zero fraction gives an empty range)."""
+    bounds, cum = [0], 0.0
     for f in fractions:
-        bounds.append(bounds[-1] + int(round(f * float(num))))
-    diff = bounds[-1] - num
-    bounds = [0] + [max(0, b - diff) for b in bounds[1:]]
+        cum += f
+        bounds.append(int(round(cum * float(num))))
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
 
 

@@ -1,8 +1,9 @@
 """Datasets for a run and each data-parallel rank's micro-batches, resumable bit for bit.
 
-Sample counts: train ``train_iters * gbs`` (under a ramp-up, the sum of its iterations'
-batches); valid and test ``(train_iters // eval_interval + 1) * eval_iters * gbs`` with an eval
-interval, else ``eval_iters * gbs`` (``gbs`` = global batch).
+Sample counts (Megatron-LM's): train ``train_iters * gbs`` (under a ramp-up, the sum of its
+iterations' batches); valid ``(train_iters // eval_interval + 1) * eval_iters * gbs`` with an
+eval interval, else ``eval_iters * gbs``; test ``eval_iters * gbs`` (``gbs`` = global batch).
+The counts shape the index shuffles, so the same counts give Megatron-LM's samples.
 
 Order (Megatron's ``MegatronPretrainingSampler``): sample ids run ``0, 1, 2, ...`` through the
 shuffled dataset; each step of ``micro_batch_size * dp_size`` ids forms one micro-batch round, and
@@ -33,14 +34,18 @@ SPLITS = ("train", "valid", "test")
 # Megatron-LM main's mock documents (MockGPTLowLevelDataset): their number, the seed of their
 # lengths and the longest one, all fixed there
 MOCK_NUM_SEQUENCES, MOCK_SEED, MOCK_MAX_LENGTH = 100_000, 0, 4095
+MOCK_SPLIT = "1,1,1"
 
 
 def split_sample_counts(cfg, dp_size: int) -> dict[str, int]:
     """Samples each split must provide for the whole run."""
     t, gbs = cfg.train, global_batch_size(cfg, dp_size)
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
-    eval_samples = evals * t.eval_iters * gbs
-    return {"train": train_samples(cfg, dp_size), "valid": eval_samples, "test": eval_samples}
+    return {
+        "train": train_samples(cfg, dp_size),
+        "valid": evals * t.eval_iters * gbs,
+        "test": t.eval_iters * gbs,
+    }
 
 
 def _mock_low(cfg, tokenizer):
@@ -81,7 +86,8 @@ def _sources(cfg, tokenizer) -> dict[str, tuple[list, list] | None]:
         parts = [(1.0, _mock_low(cfg, tokenizer), None)]
     else:
         parts = _parts(cfg, d.data_path)
-    fractions = parse_split(d.split)
+    # Megatron-LM cuts its mock documents in three even splits whatever --split says
+    fractions = parse_split(MOCK_SPLIT if d.mock_data else d.split)
     return {
         name: (parts, [split_ranges(len(low), fractions)[s] for _, low, _ in parts])
         for s, name in enumerate(SPLITS)

@@ -18,23 +18,25 @@ from megafp8.data.blend import (
 )
 from megafp8.data.indexed import IndexedDatasetWriter
 
+# (elements, --split, the bounds): Megatron-LM main's rule, the bounds of the cumulative
+# fractions rounded half to even; (100000, "1,1,1") as its mock data is split
+SPLITS = [
+    (1000, "1,1,1", [0, 333, 667, 1000]),
+    (100000, "1,1,1", [0, 33333, 66667, 100000]),
+    (12345, "969,30,1", [0, 11962, 12333, 12345]),
+    (10, "8,2", [0, 8, 10, 10]),
+    (1, "1,1,1", [0, 0, 1, 1]),
+    (2, "1,1,2", [0, 0, 1, 2]),  # 0.5 rounds to 0
+    (6, "1,1,2", [0, 2, 3, 6]),  # 1.5 rounds to 2
+    (400, "100,0,0", [0, 400, 400, 400]),
+]
 
-def megatron_split(num, fractions):
-    """Megatron's _get_split_indices, transcribed."""
-    idx = [0]
-    for f in fractions:
-        idx.append(idx[-1] + int(round(f * float(num))))
-    idx[1:] = [i - (idx[-1] - num) for i in idx[1:]]
-    return idx
 
-
-@pytest.mark.parametrize("num", [1, 3, 10, 999, 1000, 12345])
-@pytest.mark.parametrize("split", ["969,30,1", "1,1,1", "100,0,0", "8,2"])
-def test_split_ranges_match_megatron(num, split):
-    fr = parse_split(split)
-    ranges = split_ranges(num, fr)
-    ref = megatron_split(num, fr)
-    assert [r[0] for r in ranges] + [ranges[-1][1]] == [max(0, x) for x in ref]
+@pytest.mark.parametrize(("num", "split", "bounds"), SPLITS)
+def test_split_ranges_match_megatron(num, split, bounds):
+    ranges = split_ranges(num, parse_split(split))
+    assert [r[0] for r in ranges] + [ranges[-1][1]] == bounds
+    assert all(r[1] == n[0] for r, n in zip(ranges, ranges[1:], strict=False))
 
 
 def test_parse_errors():

@@ -8,7 +8,8 @@ import torch
 
 from megafp8.config import Config
 from megafp8.data import build_data_iterators, build_tokenizer
-from megafp8.data.loader import rank_sample_ids, split_sample_counts
+from megafp8.data.indexed import IndexedDatasetWriter
+from megafp8.data.loader import build_datasets, rank_sample_ids, split_sample_counts
 
 
 def mock_cfg(**train):
@@ -55,12 +56,30 @@ def test_batch_layout_and_mock_content():
 
 def test_sample_counts():
     cfg = mock_cfg()
-    assert split_sample_counts(cfg, 2) == {"train": 48, "valid": 48, "test": 48}
+    assert split_sample_counts(cfg, 2) == {"train": 48, "valid": 48, "test": 16}
     cfg = mock_cfg(eval_interval=None, global_batch_size=None)
     assert split_sample_counts(cfg, 2) == {"train": 24, "valid": 8, "test": 8}
     it = build_data_iterators(mock_cfg(), dp_rank=1, dp_size=2)
     assert sum(1 for _ in it.train) == 48 // 4
     assert sum(1 for _ in it.valid_iterator()) == 48 // 4
+
+
+def test_mock_samples_are_megatrons():
+    """Megatron-LM cuts its mock documents in three even splits whatever ``--split`` says (the
+    train split is documents 0..33332 of 100000); the first shuffled documents of its train
+    split below, and the split sizes, are Megatron-LM d98e8a64's for vocab 1024, seq 64, 64
+    train samples, seed 1234."""
+    cfg = Config().replace(
+        data={"mock_data": True, "split": "99,1,0"},
+        model={"vocab_size": 1024, "seq_length": 64},
+        train={"micro_batch_size": 8, "global_batch_size": 8, "train_iters": 8, "seed": 1234,
+               "eval_interval": 4, "eval_iters": 1},
+    )  # fmt: skip
+    ds = build_datasets(cfg, dp_size=1)
+    assert ds["train"].document_index[:5].tolist() == [30903, 11571, 3134, 32473, 27454]
+    assert len(ds["train"].document_index) == 33333
+    assert sorted(set(ds["valid"].document_index.tolist())) == list(range(33333, 66667))
+    assert set(ds["test"].document_index.tolist()) <= set(range(66667, 100000))
 
 
 def test_rank_sample_ids_is_megatron_order():
@@ -110,8 +129,12 @@ def test_valid_iterator_restarts_and_seed_changes_data():
     assert not torch.equal(_rows(other.train, 1)[0], _rows(it.train, 1)[0])
 
 
-def test_empty_split_is_none():
-    cfg = mock_cfg().replace(data={"mock_data": True, "split": "100,0,0"})
+def test_empty_split_is_none(tmp_path):
+    prefix = str(tmp_path / "d_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for k in range(40):
+            w.add_document(np.arange(1, 10 + k % 7, dtype=np.uint16))
+    cfg = mock_cfg().replace(data={"mock_data": False, "data_path": (prefix,), "split": "100,0,0"})
     it = build_data_iterators(cfg, dp_rank=0, dp_size=1)
     assert it.train is not None and it.valid is None and it.test is None
     assert it.valid_iterator() is None
