@@ -1,13 +1,18 @@
-"""GPT samples: windows of ``seq_length + 1`` tokens cut from a stream of shuffled documents.
+"""GPT samples: windows of ``seq_length + 1`` tokens cut from a stream of shuffled documents,
+in Megatron-LM's order (the same sample ids give the same tokens as its ``GPTDataset``).
 
-Three indices, all built with vectorized numpy (no per-document or per-token Python loop):
+Three indices, built with numpy (no per-document or per-token Python loop), their shuffles drawn
+from one ``numpy.random.RandomState(seed)`` in Megatron's sequence:
 
-- document index: for each epoch, a fresh permutation of the split's documents, epochs concatenated.
+- document index: the split's documents repeated once per epoch, then shuffled as one array.
+  When the final epoch is needed for fewer than 80 % of an epoch's samples it is shuffled on its
+  own after the others (Megatron's "separate final epoch"), so the samples of the earlier epochs
+  are not diluted by a scrap of the last one.
 - sample index ``[n + 1, 2]`` int64: sample ``i`` covers stream positions ``[i*L, i*L + L]``
   (``L + 1`` tokens: the last token of one sample is the first of the next, as in Megatron), and
   row ``i`` holds (position in the document index, offset) of its first token.
-- shuffle index: samples permuted within each epoch, epochs in order, so every epoch is seen
-  whole before the next starts; the first ``num_samples`` entries are used.
+- shuffle index: a permutation of all ``n`` samples (with a separate final epoch: of the samples
+  before it, then of the rest); the first ``num_samples`` entries are used.
 
 Here a "document" is one sequence of the indexed dataset (Megatron's GPT dataset does the same).
 Indices over real data are cached under ``cache_dir`` keyed by a hash of everything that shapes
@@ -28,7 +33,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1  # bump when the index construction changes
+INDEX_VERSION = 2  # bump when the index construction changes (2: Megatron-LM's order)
 
 
 def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -38,16 +43,33 @@ def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> i
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
-def _epoch_shuffle(n_per_epoch: int, epochs: int, rng: np.random.Generator) -> np.ndarray:
-    """Concatenation of ``epochs`` independent permutations of ``range(n_per_epoch)``."""
-    keys = rng.random((epochs, n_per_epoch))
-    return np.argsort(keys, axis=1, kind="stable").reshape(-1)
+def samples_before_final_epoch(
+    tokens_per_epoch: int, seq_length: int, num_samples: int, epochs: int
+) -> int | None:
+    """Megatron's separate final epoch: the number of samples the epochs before the last one
+    hold, when the run needs fewer than ``int(0.8 * samples per epoch)`` samples of the last one
+    (that epoch's documents and samples are then shuffled on their own); else None."""
+    if epochs == 1:
+        return None
+    before = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return before if num_samples - before < int(0.8 * per_epoch) else None
 
 
-def build_document_index(documents: np.ndarray, epochs: int, rng: np.random.Generator):
-    """Each epoch a new permutation of ``documents``; int32 while ids fit, else int64."""
+def build_document_index(
+    documents: np.ndarray, epochs: int, rs: np.random.RandomState, separate_final: bool = False
+) -> np.ndarray:
+    """``documents`` repeated ``epochs`` times and shuffled as one array by ``rs``; with
+    ``separate_final``, the first ``epochs - 1`` repeats shuffled together, then the last one
+    alone. int32 while ids fit, else int64 (the shuffle draws the same either way)."""
+    documents = np.asarray(documents)
     dtype = np.int32 if len(documents) == 0 or documents.max() < 2**31 - 1 else np.int64
-    return np.asarray(documents, dtype)[_epoch_shuffle(len(documents), epochs, rng)]
+    if separate_final and epochs > 1:
+        head = build_document_index(documents, epochs - 1, rs)
+        return np.concatenate([head, build_document_index(documents, 1, rs)])
+    index = np.tile(documents.astype(dtype), epochs)
+    rs.shuffle(index)
+    return index
 
 
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int):
@@ -70,13 +92,20 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
 
 
 def build_shuffle_index(
-    num_samples_total: int, seq_length: int, tokens_per_epoch: int, rng: np.random.Generator
+    num_samples_total: int, before_final: int | None, rs: np.random.RandomState
 ) -> np.ndarray:
-    """Samples permuted within each epoch (the epoch of their first token), epochs in order."""
-    epoch = np.arange(num_samples_total, dtype=np.int64) * seq_length // tokens_per_epoch
-    order = np.lexsort((rng.random(num_samples_total), epoch))
-    dtype = np.int32 if num_samples_total < 2**31 - 1 else np.int64
-    return order.astype(dtype)
+    """A permutation of ``range(num_samples_total)`` drawn by ``rs``; with ``before_final`` (a
+    separate final epoch), ``range(before_final)`` permuted, then the rest. uint32 while it
+    fits, else int64."""
+    dtype = np.uint32 if num_samples_total < 2**32 - 2 else np.int64
+    cut = num_samples_total if before_final is None else before_final
+    head = np.arange(cut, dtype=dtype)
+    rs.shuffle(head)
+    if cut == num_samples_total:
+        return head
+    tail = np.arange(cut, num_samples_total, dtype=dtype)
+    rs.shuffle(tail)
+    return np.concatenate([head, tail])
 
 
 def _barrier() -> None:
@@ -215,10 +244,11 @@ class GPTDataset:
         key = f"{h.hexdigest()}-{name}"
 
         def build():
-            rng = np.random.default_rng(seed)
-            doc_index = build_document_index(documents, epochs, rng)
+            rs = np.random.RandomState(seed)
+            before = samples_before_final_epoch(tokens_per_epoch, seq_length, num_samples, epochs)
+            doc_index = build_document_index(documents, epochs, rs, before is not None)
             sample_index = build_sample_index(sizes, doc_index, seq_length)
-            shuffle = build_shuffle_index(len(sample_index) - 1, seq_length, tokens_per_epoch, rng)
+            shuffle = build_shuffle_index(len(sample_index) - 1, before, rs)
             return {
                 "document_index": doc_index,
                 "sample_index": sample_index,

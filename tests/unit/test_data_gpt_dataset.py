@@ -1,4 +1,5 @@
-"""Sample/document/shuffle indices against naive pure-Python references; sample contents."""
+"""Sample/document/shuffle indices against naive pure-Python references and Megatron-LM's own;
+sample contents."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from megafp8.data.gpt_dataset import (
     build_sample_index,
     build_shuffle_index,
     epochs_needed,
+    samples_before_final_epoch,
 )
 
 
@@ -62,23 +64,62 @@ def test_sample_index_positions_are_token_windows():
         assert starts[doc_index[p]] + o == i * 5
 
 
-def test_document_index_shuffles_each_epoch_whole():
-    rng = np.random.default_rng(0)
+def test_document_index_repeats_the_documents_per_epoch():
     docs = np.arange(10, 60)
-    di = build_document_index(docs, 4, rng)
+    di = build_document_index(docs, 4, np.random.RandomState(0))
     assert di.dtype == np.int32 and len(di) == 200
-    epochs = di.reshape(4, 50)
-    for e in epochs:
-        assert sorted(e.tolist()) == docs.tolist()
-    assert not np.array_equal(epochs[0], epochs[1])
+    assert np.array_equal(np.bincount(di, minlength=60)[10:], np.full(50, 4))
+    assert sorted(di[:50].tolist()) != docs.tolist()  # shuffled as one array, not per epoch
+    di = build_document_index(docs, 4, np.random.RandomState(0), separate_final=True)
+    assert sorted(di[150:].tolist()) == docs.tolist()  # the final epoch on its own
 
 
-def test_shuffle_index_keeps_epochs_in_order():
-    rng = np.random.default_rng(1)
-    sh = build_shuffle_index(1000, 8, 2000, rng)  # 250 samples per epoch
-    epoch_of = sh.astype(np.int64) * 8 // 2000
-    assert np.all(np.diff(epoch_of) >= 0)
-    assert sorted(sh.tolist()) == list(range(1000))
+def test_shuffle_index_is_a_permutation():
+    sh = build_shuffle_index(1000, None, np.random.RandomState(1))
+    assert sh.dtype == np.uint32 and sorted(sh.tolist()) == list(range(1000))
+    sh = build_shuffle_index(1000, 700, np.random.RandomState(1))
+    assert sorted(sh[:700].tolist()) == list(range(700))
+    assert sorted(sh[700:].tolist()) == list(range(700, 1000))
+
+
+class SmallDocs:
+    """Documents of lengths ``(7 i) % 23 + 1``; token ``j`` of document ``i`` is ``1000 i + j``."""
+
+    sequence_lengths = (np.arange(50, dtype=np.int32) * 7) % 23 + 1
+
+    def get(self, i, offset=0, length=None):
+        n = int(self.sequence_lengths[i])
+        length = n - offset if length is None else length
+        return np.arange(offset, offset + length, dtype=np.int64) + 1000 * i
+
+
+# Megatron-LM d98e8a64's GPTDataset on SmallDocs, documents 10..49 (480 tokens an epoch),
+# seq_length 16, seed 3: (num_samples, epochs, samples before a separate final epoch, the first
+# 12 entries of its document index, the first 12 and last 4 of its shuffle index)
+MEGATRON_INDICES = [
+    (20, 1, None, [39, 26, 19, 37, 14, 28, 38, 48, 25, 36, 35, 21],
+     [13, 10, 2, 25, 11, 6, 26, 8, 3, 4, 21, 12], [22, 23, 20, 14]),
+    (100, 4, 89, [33, 25, 15, 41, 31, 16, 29, 35, 42, 27, 47, 17],
+     [16, 75, 1, 54, 24, 42, 6, 23, 14, 18, 70, 27], [116, 95, 91, 107]),
+    (115, 4, None, [40, 29, 16, 13, 17, 30, 46, 20, 48, 10, 25, 24],
+     [117, 76, 1, 16, 25, 109, 64, 31, 80, 48, 86, 78], [51, 85, 33, 88]),
+    (130, 5, 119, [40, 29, 16, 13, 17, 30, 46, 20, 48, 10, 25, 24],
+     [85, 38, 10, 51, 17, 61, 48, 68, 2, 77, 111, 16], [142, 131, 145, 140]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MEGATRON_INDICES, ids=lambda c: f"n{c[0]}")
+def test_indices_are_megatrons(case):
+    """One epoch, a separate final epoch (fewer than 80 % of an epoch's samples needed from
+    it: 11 of 29, 11 of 29) and a final epoch shuffled with the others (26 of 29)."""
+    n, epochs, before, doc_head, shuffle_head, shuffle_tail = case
+    ds = GPTDataset(SmallDocs(), np.arange(10, 50), 16, n, seed=3)
+    assert ds.epochs == epochs
+    assert samples_before_final_epoch(480, 16, n, epochs) == before
+    assert ds.document_index[:12].tolist() == doc_head
+    assert ds.shuffle_index[:12].tolist() == shuffle_head
+    assert ds.shuffle_index[-4:].tolist() == shuffle_tail
+    assert len(ds.shuffle_index) == (epochs * 480 - 1) // 16
 
 
 def test_epochs_needed():
