@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from megafp8.config import Config
 
@@ -183,7 +185,7 @@ def parse_data_path(data_path) -> list[tuple[float, str]]:
         if not weight >= 0:  # negative or nan
             raise ValueError(f"data_path weight {w!r} of {prefix!r} is negative")
         pairs.append((weight, prefix))
-    total = sum(w for w, _ in pairs)
+    total = float(np.sum([w for w, _ in pairs], dtype=np.float64))  # Megatron-LM's rounding
     if total <= 0:
         raise ValueError(f"data_path {items}: the weights sum to zero")
     return [(w / total, p) for w, p in pairs]

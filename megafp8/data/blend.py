@@ -1,23 +1,27 @@
-"""Weighted blends (``--data-path 0.7 A 0.3 B``) and train/valid/test splits (``--split 969,30,1``).
+"""Weighted blends (``--data-path 0.7 A 0.3 B``) and train/valid/test splits (``--split 969,30,1``),
+as Megatron-LM main builds them.
 
 Split: each dataset's sequences are cut into three contiguous ranges, with Megatron-LM's rounding.
-Blend: the counts are apportioned exactly (largest remainder: dataset ``d`` gets ``N * w_d``
-rounded so the counts sum to ``N``), then interleaved smoothly: dataset ``d``'s ``k``-th sample
-sits at time ``(k + 0.5) / c_d`` and all samples are merged by time (ties by dataset order). Every
-prefix of the blend therefore holds each dataset within about one sample of its share.
+Blend: with normalized weights ``w`` and ``N`` samples wanted, dataset ``d`` is asked for
+``t_d = ceil(N w_d)`` samples and built ``MID_LEVEL_SURPLUS`` larger (``ceil(t_d * 1.005)``: its
+own shuffles depend on that count); the blend holds ``sum(t_d)`` samples, each taken from the
+dataset furthest behind its share (``blend_order.py``). Every prefix of the blend therefore holds
+each dataset within about one sample of its share.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import numpy as np
 
 from megafp8.config_values import parse_data_path, parse_split  # noqa: F401  (the grammar lives there)
+from megafp8.data.blend_order import blend_order
 from megafp8.data.gpt_dataset import cached_arrays
 
-_BLOCK = 1 << 22  # samples merged per block (bounded memory for huge blends)
+MID_LEVEL_SURPLUS = 0.005  # Megatron-LM's margin on each blended dataset's sample count
 
 
 def split_ranges(num: int, fractions: list[float]) -> list[tuple[int, int]]:
@@ -32,67 +36,38 @@ def split_ranges(num: int, fractions: list[float]) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
 
 
-def apportion(weights, total: int) -> np.ndarray:
-    """Largest-remainder integer counts proportional to ``weights`` summing to ``total``."""
+def normalized(weights) -> list[float]:
+    """``w / sum(w)`` in float64, the sum taken by numpy (Megatron-LM's rounding)."""
     w = np.asarray(weights, np.float64)
-    share = w / w.sum() * total
-    counts = np.floor(share).astype(np.int64)
-    rest = total - int(counts.sum())
-    if rest:
-        order = np.argsort(-(share - counts), kind="stable")
-        counts[order[:rest]] += 1
-    return counts
+    return (w / np.sum(w)).tolist()
 
 
-def blend_indices(counts, block: int = _BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) interleaving ``counts[d]`` samples of each dataset.
-
-    Merged in blocks of ``block`` time-ordered samples, so memory stays bounded by the block.
-    """
-    counts = np.asarray(counts, np.int64)
-    total = int(counts.sum())
-    d_type = np.uint8 if len(counts) <= 255 else np.int16
-    dataset_index = np.empty(total, d_type)
-    sample_index = np.empty(total, np.int64)
-    live = np.flatnonzero(counts)
-    nblocks = max(1, -(-total // block))
-    done = np.zeros(len(counts), np.int64)
-    pos = 0
-    for b in range(nblocks):
-        hi_t = (b + 1) / nblocks
-        # k-th sample of d has time (k + 0.5) / c_d; those with time < hi_t are k < hi_t*c_d - 0.5
-        upto = np.minimum(counts, np.ceil(hi_t * counts - 0.5).astype(np.int64))
-        if b == nblocks - 1:
-            upto = counts
-        ks = [np.arange(done[d], upto[d], dtype=np.int64) for d in live]
-        ds = np.concatenate([np.full(len(k), d, d_type) for d, k in zip(live, ks, strict=True)])
-        ks_all = np.concatenate(ks)
-        times = (ks_all + 0.5) / counts[ds.astype(np.int64)]
-        order = np.lexsort((ds, times))
-        n = len(order)
-        dataset_index[pos : pos + n] = ds[order]
-        sample_index[pos : pos + n] = ks_all[order]
-        pos += n
-        done = upto
-    return dataset_index, sample_index
+def blend_sizes(weights, total: int) -> tuple[list[int], list[int]]:
+    """(samples asked of each dataset, samples each is built with) for ``total`` samples."""
+    asked = [math.ceil(total * w) for w in weights]
+    return asked, [math.ceil(t * (1 + MID_LEVEL_SURPLUS)) for t in asked]
 
 
 class BlendedDataset:
-    """A fixed-length weighted mixture of datasets: ``ds[i]`` = ``datasets[d][k]`` per the index."""
+    """``size`` samples of ``datasets`` mixed by ``weights`` (re-normalized here, as Megatron-LM
+    does): ``ds[i]`` = ``datasets[d][k]`` per the index. ``counts``: the samples taken of each."""
 
-    def __init__(self, datasets: list, counts, cache_dir: str | None = None, name: str = "train"):
+    def __init__(
+        self, datasets: list, weights, size: int, cache_dir: str | None = None, name: str = "train"
+    ):
         self.datasets, self.name = datasets, name
-        self.counts = np.asarray(counts, np.int64)
-        for d, (ds, c) in enumerate(zip(datasets, self.counts, strict=True)):
-            if c and (ds is None or len(ds) < c):
-                raise ValueError(
-                    f"{name}: blend part {d} needs {c} samples, has {0 if ds is None else len(ds)}"
-                )
-        desc = {"class": "BlendedDataset", "counts": self.counts.tolist(), "name": name}
+        self.weights = normalized(weights)
+        desc = {
+            "class": "BlendedDataset",
+            "version": 2,
+            "weights": [float(w).hex() for w in self.weights],
+            "size": int(size),
+            "name": name,
+        }
         key = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=16).hexdigest()
 
         def build():
-            di, si = blend_indices(self.counts)
+            di, si = blend_order(self.weights, int(size))
             return {"dataset_index": di, "dataset_sample_index": si}
 
         arrays = cached_arrays(
@@ -100,6 +75,12 @@ class BlendedDataset:
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
+        self.counts = np.bincount(self.dataset_index, minlength=len(datasets)).astype(np.int64)
+        for d, (ds, c) in enumerate(zip(datasets, self.counts, strict=True)):
+            if c and (ds is None or len(ds) < c):
+                raise ValueError(
+                    f"{name}: blend part {d} needs {c} samples, has {0 if ds is None else len(ds)}"
+                )
 
     def __len__(self) -> int:
         return len(self.dataset_index)

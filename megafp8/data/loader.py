@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from megafp8.config_values import global_batch_size, split_paths, train_samples
-from megafp8.data.blend import BlendedDataset, apportion, parse_data_path, parse_split, split_ranges
+from megafp8.data.blend import (
+    BlendedDataset,
+    blend_sizes,
+    normalized,
+    parse_data_path,
+    parse_split,
+    split_ranges,
+)
 from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from megafp8.data.indexed import IndexedDataset
 from megafp8.data.tokenizer import DEFAULT_MOCK_VOCAB_SIZE, check_data_tokenizer
@@ -68,10 +75,11 @@ def _parts(cfg, blend) -> list[tuple]:
     return [(w, IndexedDataset(p), _cache_dir(cfg, p)) for w, p in parse_data_path(blend)]
 
 
-def _sources(cfg, tokenizer) -> dict[str, tuple[list, list] | None]:
-    """Per split: (parts, each part's document range), or None. With ``data_path`` (or mock data)
-    every split cuts its range out of the same datasets (``split``); with the per-split blends
-    (``--train-data-path`` ...) each split reads its own datasets whole."""
+def _sources(cfg, tokenizer) -> dict[str, tuple[list, list, bool] | None]:
+    """Per split: (parts, each part's document range, whether weights were given), or None. With
+    ``data_path`` (or mock data) every split cuts its range out of the same datasets (``split``);
+    with the per-split blends (``--train-data-path`` ...) each split reads its own datasets
+    whole."""
     d = cfg.data
     if tokenizer is not None:  # same ids and EOD as preprocess_data.py wrote
         check_data_tokenizer(d, tokenizer)
@@ -80,44 +88,45 @@ def _sources(cfg, tokenizer) -> dict[str, tuple[list, list] | None]:
         out = {}
         for name in SPLITS:
             parts = _parts(cfg, per_split[name]) if name in per_split else None
-            out[name] = parts and (parts, [(0, len(low)) for _, low, _ in parts])
+            weighted = bool(parts) and len(parts) > 1  # Megatron: one prefix is never blended
+            out[name] = parts and (parts, [(0, len(low)) for _, low, _ in parts], weighted)
         return out
     if d.mock_data:
-        parts = [(1.0, _mock_low(cfg, tokenizer), None)]
+        parts, weighted = [(1.0, _mock_low(cfg, tokenizer), None)], False
     else:
-        parts = _parts(cfg, d.data_path)
+        parts, weighted = _parts(cfg, d.data_path), len(d.data_path) > 1
     # Megatron-LM cuts its mock documents in three even splits whatever --split says
     fractions = parse_split(MOCK_SPLIT if d.mock_data else d.split)
     return {
-        name: (parts, [split_ranges(len(low), fractions)[s] for _, low, _ in parts])
+        name: (parts, [split_ranges(len(low), fractions)[s] for _, low, _ in parts], weighted)
         for s, name in enumerate(SPLITS)
     }
 
 
 def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None]:
-    """``{"train"|"valid"|"test": dataset or None}``; None where the split or its count is empty."""
+    """``{"train"|"valid"|"test": dataset or None}``; None where the split or its count is empty.
+    One dataset named without a weight (or mock data) is a GPTDataset; weighted datasets (one or
+    more) are a BlendedDataset, built as Megatron-LM builds them (``blend.py``)."""
     counts = split_sample_counts(cfg, dp_size)
     seq, seed = cfg.model.seq_length, cfg.train.seed
     out: dict[str, object | None] = {}
     for name, source in _sources(cfg, tokenizer).items():
-        parts, ranges = source or ([], [])
+        parts, ranges, weighted = source or ([], [], False)
         usable = [i for i, (lo, hi) in enumerate(ranges) if hi > lo and parts[i][0] > 0]
         if not counts[name] or not usable:
             out[name] = None
             continue
-        shares = apportion([parts[i][0] for i in usable], counts[name])
-        datasets = [None] * len(parts)
-        per_part = np.zeros(len(parts), np.int64)
-        for i, c in zip(usable, shares, strict=True):
-            if c:
-                w, low, cache = parts[i]
-                lo, hi = ranges[i]
-                datasets[i] = GPTDataset(low, np.arange(lo, hi), seq, int(c), seed, cache, name)
-                per_part[i] = c
-        if len(parts) == 1:
-            out[name] = datasets[0]
-        else:
-            out[name] = BlendedDataset(datasets, per_part, parts[0][2], name)
+        if not weighted:
+            _, low, cache = parts[0]
+            out[name] = GPTDataset(low, np.arange(*ranges[0]), seq, counts[name], seed, cache, name)
+            continue
+        weights = normalized([parts[i][0] for i in usable])
+        asked, built = blend_sizes(weights, counts[name])
+        datasets = [
+            GPTDataset(parts[i][1], np.arange(*ranges[i]), seq, n, seed, parts[i][2], name)
+            for i, n in zip(usable, built, strict=True)
+        ]
+        out[name] = BlendedDataset(datasets, weights, sum(asked), parts[usable[0]][2], name)
     return out
 
 

@@ -10,12 +10,12 @@ from megafp8.config import Config
 from megafp8.data import build_data_iterators
 from megafp8.data.blend import (
     BlendedDataset,
-    apportion,
-    blend_indices,
+    normalized,
     parse_data_path,
     parse_split,
     split_ranges,
 )
+from megafp8.data.blend_order import blend_order
 from megafp8.data.indexed import IndexedDatasetWriter
 
 # (elements, --split, the bounds): Megatron-LM main's rule, the bounds of the cumulative
@@ -54,39 +54,70 @@ def test_parse_errors():
         parse_split("1,2,3,4")
 
 
-def test_apportion_is_exact():
-    assert apportion([0.7, 0.3], 10).tolist() == [7, 3]
-    assert apportion([1, 1, 1], 10).tolist() == [4, 3, 3]
-    c = apportion([0.123, 0.456, 0.421], 1001)
-    assert c.sum() == 1001 and np.all(np.abs(c - np.array([0.123, 0.456, 0.421]) * 1001) < 1)
+# Megatron-LM d98e8a64's blending helper (build_blending_indices) on these normalized weights:
+# the dataset index of the first samples, the last six entries of the dataset sample index
+MEGATRON_ORDER = [
+    ([0.2, 0.45, 0.35], 40,
+     [1, 2, 0, 1, 2, 1, 0, 2, 1, 2, 1, 0, 1, 2, 1, 2, 0, 1, 2, 1, 0, 1, 2, 1, 2, 1, 0, 2, 1, 2,
+      1, 0, 1, 2, 1, 2, 0, 1, 2, 1], [15, 12, 7, 16, 13, 17]),
+    ([0.5, 0.5], 12, [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1], [3, 3, 4, 4, 5, 5]),  # ties: the first
+    ([0.1, 0.6, 0.3], 30,
+     [1, 2, 0, 1, 1, 2, 1, 1, 2, 1, 0, 1, 2, 1, 1, 2, 1, 1, 2, 1, 0, 1, 2, 1, 1, 2, 1, 1, 2, 1],
+     [14, 7, 15, 16, 8, 17]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
+@pytest.mark.parametrize("case", MEGATRON_ORDER, ids=lambda c: str(len(c[0])))
+def test_blend_order_is_megatrons(case, compiled):
+    weights, n, head, tail = case
+    di, dsi = blend_order(normalized(weights), n, compiled=compiled)
+    assert di.dtype == np.int16 and dsi.dtype == np.int64
+    assert di.tolist() == head and dsi[-6:].tolist() == tail
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_blend_proportions_hold_in_every_prefix(seed):
+def test_blend_order_compiled_equals_python_and_keeps_shares(seed):
     rng = np.random.default_rng(seed)
-    k = int(rng.integers(2, 5))
-    w = rng.random(k) + 0.05
-    w /= w.sum()
-    n = int(rng.integers(500, 3000))
-    counts = apportion(w, n)
-    di, si = blend_indices(counts, block=97)  # many merge blocks
-    assert len(di) == n
+    k = int(rng.integers(1, 7))
+    w = normalized(rng.random(k) + 0.01)
+    n = int(rng.integers(500, 5000))
+    di, dsi = blend_order(w, n)
+    pdi, pdsi = blend_order(w, n, compiled=False)
+    assert np.array_equal(di, pdi) and np.array_equal(dsi, pdsi)
     seen = np.zeros((n, k))
     seen[np.arange(n), di.astype(int)] = 1
     prefix = np.cumsum(seen, 0)
-    share = np.arange(1, n + 1)[:, None] * (counts / n)[None, :]
-    assert np.abs(prefix - share).max() < 1.5  # smooth: about one sample off its share
+    share = np.arange(1, n + 1)[:, None] * np.asarray(w)[None, :]
+    assert np.abs(prefix - share).max() < 1.5  # every prefix: about one sample off each share
     for d in range(k):  # each dataset's samples used once, in order
-        assert si[di == d].tolist() == list(range(counts[d]))
-    a, b = blend_indices(counts, block=1 << 20)
-    assert np.array_equal(a, di) and np.array_equal(b, si)
+        assert dsi[di == d].tolist() == list(range(int((di == d).sum())))
 
 
-def test_two_dataset_blend_is_within_one_sample_everywhere():
-    di, _ = blend_indices(apportion([0.7, 0.3], 1000))
-    count_a = np.cumsum(di == 0)
-    assert np.abs(count_a - 0.7 * np.arange(1, 1001)).max() <= 1
-    assert count_a[-1] == 700
+def test_blend_order_compiles_into_its_cache_or_runs_in_python(tmp_path, monkeypatch):
+    import megafp8.data.blend_order as bo
+
+    monkeypatch.setenv("MEGAFP8_CACHE", str(tmp_path / "c"))
+    monkeypatch.setattr(bo, "_lib", None)
+    ref = blend_order(normalized([0.3, 0.7]), 500, compiled=False)
+    got = blend_order(normalized([0.3, 0.7]), 500)
+    assert [p.name.endswith(".so") for p in (tmp_path / "c").iterdir()] == [True]  # nothing else
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+    monkeypatch.setattr(bo, "_lib", None)  # no compiler anywhere: the Python loop
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MEGAFP8_CACHE", str(tmp_path / "d"))
+    monkeypatch.setattr(bo.tempfile, "gettempdir", lambda: str(tmp_path / "t"))
+    assert bo._compiled() is None
+    got = blend_order(normalized([0.3, 0.7]), 500)
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+    monkeypatch.setattr(bo, "_lib", None)
+
+
+def test_weights_normalize_as_megatron():
+    """Nine weights: numpy's pairwise sum, not Python's left-to-right one."""
+    raw = [3, 1, 7, 0.1, 2, 5, 1.3, 0.7, 2.2]
+    items = [x for i, w in enumerate(raw) for x in (str(w), f"P{i}")]
+    assert [w for w, _ in parse_data_path(items)] == (np.array(raw) / np.sum(raw)).tolist()
 
 
 def write_dataset(prefix, base, ndocs, seed):
@@ -124,6 +155,14 @@ def test_blended_real_data_through_the_loader(tmp_path):
     train = it.datasets["train"]
     assert isinstance(train, BlendedDataset) and len(train) == 200
     assert train.counts.tolist() == [140, 60]
+    # Megatron-LM d98e8a64 on the same files and flags: its blend order, its samples
+    assert train.dataset_index[:12].tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1]
+    assert train.dataset_sample_index[:12].tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6, 7, 3]
+    firsts = [int(train[i][0]) for i in (0, 1, 2, 199)]
+    assert firsts == [306, 1231, 41, 251]
+    assert [len(it.datasets[s]) for s in ("valid", "test")] == [49, 17]  # ceil(48 w) + ceil(48 w')
+    assert [int(it.datasets["valid"][i][0]) for i in (0, 47)] == [361, 1280]
+    assert [int(it.datasets["test"][i][0]) for i in (0, 15)] == [381, 384]
     # Samples come from the right dataset and only from that split's documents.
     a_split = {"train": (0, 320), "valid": (320, 380), "test": (380, 400)}
     b_split = {"train": (1000, 1240), "valid": (1240, 1285), "test": (1285, 1300)}

@@ -1,0 +1,129 @@
+"""The order of a weighted blend's samples, as Megatron-LM picks them.
+
+Sample ``i`` comes from the dataset furthest behind its share: the first ``d`` that maximizes
+``w[d] * max(i, 1) - c[d]`` in float64, where ``c[d]`` counts the samples ``d`` gave before ``i``;
+it gives its next one (``dataset_sample_index[i] = c[d]``). Each step depends on all the ones
+before it, so the loop runs as a small C function, compiled with the system's C compiler at first
+use into a per-user cache (``$MEGAFP8_CACHE``, else ``$XDG_CACHE_HOME/megafp8`` or
+``~/.cache/megafp8``; written atomically, so ranks compiling at once are safe): 20 M samples of
+ten datasets in 0.5 s on one core. Where no compiler works the same loop runs in Python, about a
+million samples a second at ten datasets, with a warning. Both are tested against each other
+and against Megatron-LM's own indices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <stdint.h>
+void megafp8_blend_order(const double *w, int32_t k, int64_t n, int16_t *dataset_index,
+                         int64_t *dataset_sample_index, int64_t *count) {
+    for (int32_t d = 0; d < k; ++d) count[d] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        double x = i > 1 ? (double)i : 1.0;
+        int32_t best = 0;
+        double top = w[0] * x - (double)count[0];
+        for (int32_t d = 1; d < k; ++d) {
+            double e = w[d] * x - (double)count[d];
+            if (e > top) { top = e; best = d; }
+        }
+        dataset_index[i] = (int16_t)best;
+        dataset_sample_index[i] = count[best]++;
+    }
+}
+"""
+# no fused multiply-add: each error is rounded after the product, as the C++ helper computes it
+_CFLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off"]
+_lib = None
+
+
+def _cache_dir() -> str:
+    if os.environ.get("MEGAFP8_CACHE"):
+        return os.environ["MEGAFP8_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megafp8")
+
+
+def _compiled():
+    """The loaded C function, compiling it first where needed; None without a working compiler."""
+    global _lib
+    if _lib is not None:
+        return _lib or None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    tag = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + platform.machine()).encode()).hexdigest()
+    name = f"blend_order-{tag[:16]}.so"
+    for where in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"megafp8-{os.getuid()}")):
+        path = os.path.join(where, name)
+        try:
+            if not os.path.isfile(path):
+                if cc is None:
+                    break
+                os.makedirs(where, exist_ok=True)
+                src = os.path.join(where, f"{name}.{os.getpid()}.c")
+                tmp = os.path.join(where, f"{name}.{os.getpid()}.tmp")
+                with open(src, "w") as f:
+                    f.write(_SOURCE)
+                try:
+                    subprocess.run([cc, *_CFLAGS, "-o", tmp, src], check=True, capture_output=True)
+                    os.replace(tmp, path)
+                finally:
+                    for p in (src, tmp):
+                        if os.path.exists(p):
+                            os.remove(p)
+            fn = ctypes.CDLL(path).megafp8_blend_order
+        except (OSError, subprocess.CalledProcessError) as exc:
+            log.debug("blend order: no compiled helper in %s (%s)", where, exc)
+            continue
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64] + [ctypes.c_void_p] * 3
+        _lib = fn
+        return fn
+    _lib = False
+    return None
+
+
+def blend_order(weights, size: int, compiled: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``(dataset_index int16, dataset_sample_index int64)`` of ``size`` samples blended by
+    ``weights`` (normalized, float64); ``compiled=False`` runs the Python loop."""
+    w = np.ascontiguousarray(weights, np.float64)
+    if not 0 < len(w) < 32767:
+        raise ValueError(f"a blend of {len(w)} datasets: between 1 and 32766")
+    dataset_index = np.zeros(size, np.int16)
+    dataset_sample_index = np.zeros(size, np.int64)
+    count = np.zeros(len(w), np.int64)
+    fn = _compiled() if compiled else None
+    if fn is not None:
+        fn(w.ctypes.data, len(w), size, dataset_index.ctypes.data,
+           dataset_sample_index.ctypes.data, count.ctypes.data)  # fmt: skip
+        return dataset_index, dataset_sample_index
+    if compiled and size > 1_000_000:
+        log.warning(
+            "blend order: no C compiler found (set CC); %d samples x %d datasets in Python",
+            size,
+            len(w),
+        )
+    ws, c = w.tolist(), [0] * len(w)
+    rest = range(1, len(ws))
+    for i in range(size):
+        x = float(i) if i > 1 else 1.0
+        best, top = 0, ws[0] * x - c[0]
+        for d in rest:
+            e = ws[d] * x - c[d]
+            if e > top:
+                best, top = d, e
+        dataset_index[i] = best
+        dataset_sample_index[i] = c[best]
+        c[best] += 1
+    return dataset_index, dataset_sample_index
