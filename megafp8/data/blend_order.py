@@ -4,8 +4,9 @@ Sample ``i`` comes from the dataset furthest behind its share: the first ``d`` t
 ``w[d] * max(i, 1) - c[d]`` in float64, where ``c[d]`` counts the samples ``d`` gave before ``i``;
 it gives its next one (``dataset_sample_index[i] = c[d]``). Each step depends on all the ones
 before it, so the loop runs as a small C function, compiled with the system's C compiler at first
-use into a per-user cache (``$MEGAFP8_CACHE``, else ``$XDG_CACHE_HOME/megafp8`` or
-``~/.cache/megafp8``; written atomically, so ranks compiling at once are safe): 20 M samples of
+use (``$CC``, else ``cc``) into a per-user cache (``$MEGAFP8_CACHE``, else
+``$XDG_CACHE_HOME/megafp8`` or ``~/.cache/megafp8``; used only when no other user can write it;
+written atomically, so ranks compiling at once are safe): 20 M samples of
 ten datasets in 0.5 s on one core. Where no compiler works the same loop runs in Python, about a
 million samples a second at ten datasets, with a warning. Both are tested against each other
 and against Megatron-LM's own indices.
@@ -18,7 +19,9 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -56,40 +59,72 @@ def _cache_dir() -> str:
     return os.path.join(base, "megafp8")
 
 
+def _private(path: str) -> bool:
+    """Owned by this user and writable by no one else (a library loaded from here runs as us)."""
+    st = os.stat(path)
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _build(cc: list[str], where: str, path: str) -> None:
+    """Compile into a unique temporary name in ``where``, then rename: a reader never sees a
+    partial library, and ranks (or nodes sharing the directory) compiling at once are safe."""
+    fd, src = tempfile.mkstemp(suffix=".c", dir=where)
+    fd2, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=where)
+    os.close(fd2)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_SOURCE)
+        subprocess.run([*cc, *_CFLAGS, "-o", tmp, src], check=True, capture_output=True,
+                       timeout=120)  # fmt: skip
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    finally:
+        for p in (src, tmp):
+            if os.path.exists(p):
+                os.remove(p)
+
+
+def _load(path: str):
+    fn = ctypes.CDLL(path).megafp8_blend_order
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    return fn
+
+
 def _compiled():
-    """The loaded C function, compiling it first where needed; None without a working compiler."""
+    """The loaded C function, compiling it first where needed; None without a working compiler.
+    The per-user cache is used only when it is this user's alone; otherwise, or when it cannot
+    be written, the library is built in a fresh private directory for this process."""
     global _lib
     if _lib is not None:
         return _lib or None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = shlex.split(os.environ.get("CC") or "") or [shutil.which("cc") or "gcc"]
     tag = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + platform.machine()).encode()).hexdigest()
     name = f"blend_order-{tag[:16]}.so"
-    for where in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"megafp8-{os.getuid()}")):
-        path = os.path.join(where, name)
-        try:
-            if not os.path.isfile(path):
-                if cc is None:
-                    break
-                os.makedirs(where, exist_ok=True)
-                src = os.path.join(where, f"{name}.{os.getpid()}.c")
-                tmp = os.path.join(where, f"{name}.{os.getpid()}.tmp")
-                with open(src, "w") as f:
-                    f.write(_SOURCE)
-                try:
-                    subprocess.run([cc, *_CFLAGS, "-o", tmp, src], check=True, capture_output=True)
-                    os.replace(tmp, path)
-                finally:
-                    for p in (src, tmp):
-                        if os.path.exists(p):
-                            os.remove(p)
-            fn = ctypes.CDLL(path).megafp8_blend_order
-        except (OSError, subprocess.CalledProcessError) as exc:
-            log.debug("blend order: no compiled helper in %s (%s)", where, exc)
-            continue
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64] + [ctypes.c_void_p] * 3
-        _lib = fn
-        return fn
+    where = _cache_dir()
+    path = os.path.join(where, name)
+    errors = []
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        if not _private(where):
+            raise OSError(f"{where} is not this user's alone")
+        if not os.path.isfile(path):
+            _build(cc, where, path)
+        if not _private(path):
+            raise OSError(f"{path} is not this user's alone")
+        _lib = _load(path)
+        return _lib
+    except (OSError, subprocess.SubprocessError) as exc:
+        errors.append(f"{where}: {exc}")
+    try:
+        with tempfile.TemporaryDirectory() as private:  # mode 0700; removed once loaded
+            path = os.path.join(private, name)
+            _build(cc, private, path)
+            _lib = _load(path)
+        return _lib
+    except (OSError, subprocess.SubprocessError) as exc:
+        errors.append(f"private build: {exc}")
+    log.warning("blend order: no compiled helper (%s); the Python loop runs", "; ".join(errors))
     _lib = False
     return None
 
@@ -109,11 +144,7 @@ def blend_order(weights, size: int, compiled: bool = True) -> tuple[np.ndarray, 
            dataset_sample_index.ctypes.data, count.ctypes.data)  # fmt: skip
         return dataset_index, dataset_sample_index
     if compiled and size > 1_000_000:
-        log.warning(
-            "blend order: no C compiler found (set CC); %d samples x %d datasets in Python",
-            size,
-            len(w),
-        )
+        log.warning("blend order: %d samples x %d datasets in Python (set CC)", size, len(w))
     ws, c = w.tolist(), [0] * len(w)
     rest = range(1, len(ws))
     for i in range(size):

@@ -120,7 +120,17 @@ def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None
             _, low, cache = parts[0]
             out[name] = GPTDataset(low, np.arange(*ranges[0]), seq, counts[name], seed, cache, name)
             continue
-        weights = normalized([parts[i][0] for i in usable])
+        weights = [parts[i][0] for i in usable]  # normalized once (parse_data_path)
+        if len(usable) < len(parts):  # a zero weight, or a dataset with no documents here
+            weights = normalized(weights)
+            for i in set(range(len(parts))) - set(usable):
+                if parts[i][0] > 0:  # Megatron-LM cannot build this split at all
+                    log.warning(
+                        "%s split: blend part %d has no documents in its range; "
+                        "the blend goes on without it",
+                        name,
+                        i,
+                    )
         asked, built = blend_sizes(weights, counts[name])
         datasets = [
             GPTDataset(parts[i][1], np.arange(*ranges[i]), seq, n, seed, parts[i][2], name)

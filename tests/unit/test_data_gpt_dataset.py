@@ -101,6 +101,10 @@ MEGATRON_INDICES = [
      [13, 10, 2, 25, 11, 6, 26, 8, 3, 4, 21, 12], [22, 23, 20, 14]),
     (100, 4, 89, [33, 25, 15, 41, 31, 16, 29, 35, 42, 27, 47, 17],
      [16, 75, 1, 54, 24, 42, 6, 23, 14, 18, 70, 27], [116, 95, 91, 107]),
+    (111, 4, 89, [33, 25, 15, 41, 31, 16, 29, 35, 42, 27, 47, 17],
+     [16, 75, 1, 54, 24, 42, 6, 23, 14, 18, 70, 27], [116, 95, 91, 107]),
+    (112, 4, None, [40, 29, 16, 13, 17, 30, 46, 20, 48, 10, 25, 24],
+     [117, 76, 1, 16, 25, 109, 64, 31, 80, 48, 86, 78], [51, 85, 33, 88]),
     (115, 4, None, [40, 29, 16, 13, 17, 30, 46, 20, 48, 10, 25, 24],
      [117, 76, 1, 16, 25, 109, 64, 31, 80, 48, 86, 78], [51, 85, 33, 88]),
     (130, 5, 119, [40, 29, 16, 13, 17, 30, 46, 20, 48, 10, 25, 24],
@@ -110,8 +114,9 @@ MEGATRON_INDICES = [
 
 @pytest.mark.parametrize("case", MEGATRON_INDICES, ids=lambda c: f"n{c[0]}")
 def test_indices_are_megatrons(case):
-    """One epoch, a separate final epoch (fewer than 80 % of an epoch's samples needed from
-    it: 11 of 29, 11 of 29) and a final epoch shuffled with the others (26 of 29)."""
+    """One epoch, a separate final epoch (fewer than int(0.8 x 29) = 23 of the final epoch's
+    samples needed: 11 and 22 of 29 at 4 epochs, 11 at 5) and a final epoch shuffled with the
+    others (23 and 26 of 29: the threshold itself is not separate)."""
     n, epochs, before, doc_head, shuffle_head, shuffle_tail = case
     ds = GPTDataset(SmallDocs(), np.arange(10, 50), 16, n, seed=3)
     assert ds.epochs == epochs
