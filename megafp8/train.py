@@ -26,6 +26,7 @@ from megafp8.config import Config
 from megafp8.config_values import (
     batch_size_at,
     data_parallel_size,
+    global_batch_size,
     parse_data_path,
     split_paths,
 )
@@ -193,15 +194,19 @@ def train_step(run: Run, train_iter, hooks=None) -> tuple[float, float | None]:
     return out
 
 
-def evaluate(run: Run, iters: int) -> float | None:
-    it = run.data.valid_iterator()
+def evaluate(run: Run, iters: int, split: str = "valid", start: int = 0) -> float | None:
+    """The mean loss of ``iters`` global batches of ``split`` from its sample ``start``, each of
+    the full global batch (under a ramp-up too, as Megatron-LM evaluates)."""
+    it = run.data.eval_iterator(split, start)
     if it is None:
         return None
     run.model.eval()
     run.backend.microbatch(None)
+    g = run.groups
+    micro = global_batch_size(run.cfg, g.dp) // (run.cfg.train.micro_batch_size * g.dp)
     batches = []
     try:
-        for _ in range(iters * run.engine.gradient_accumulation_steps()):
+        for _ in range(iters * micro):
             batches.append(next(it))
     except StopIteration:
         pass
@@ -209,6 +214,13 @@ def evaluate(run: Run, iters: int) -> float | None:
         return forward_only(run, batches) if batches else None
     finally:
         run.model.train()
+
+
+def eval_start(cfg: Config, dp: int, evals_before: int) -> int:
+    """Megatron-LM's validation stream: each evaluation reads the ``eval_iters`` global batches
+    after the previous one's, so evaluation ``k`` (0-based) starts at ``k x eval_iters x gbs``
+    (the validation split is sized for every periodic one and the one at the end)."""
+    return evals_before * cfg.train.eval_iters * global_batch_size(cfg, dp)
 
 
 def train(cfg: Config, run: Run | None = None) -> list[dict]:
@@ -292,7 +304,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
         hooks.after_step(run.iteration)
         if t.eval_interval and run.iteration % t.eval_interval == 0:
             hooks.before_eval_or_save()
-            _eval_and_log(run, tb, rank0)
+            _eval_and_log(run, tb, rank0, "valid", run.iteration // t.eval_interval - 1)
         deadline = hooks.deadline_passed()
         interval = bool(t.exit_interval) and run.iteration % t.exit_interval == 0
         stop = signals.any(run.device, deadline) or interval  # the same iteration on every rank
@@ -309,6 +321,13 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             log.warning("%s: %s at iteration %d, exiting", why, "saved" if t.save else "not saved",
                         run.iteration)  # fmt: skip
             break
+    else:  # the last iteration reached: Megatron-LM's evaluations at the end of training
+        if t.eval_interval and t.eval_iters:
+            hooks.before_eval_or_save()
+            _eval_and_log(
+                run, tb, rank0, "valid", t.train_iters // t.eval_interval, " on validation set"
+            )
+            _eval_and_log(run, tb, rank0, "test", 0, " on test set")
     hooks.close()
     tb.close()
     return history
@@ -324,17 +343,25 @@ def _attach_policies(run: Run, rank0: bool) -> None:
         run.fp8_guard = Fp8OverflowGuard(run.backend, run.model, layers, n, rank0, run.device)
 
 
-def _eval_and_log(run: Run, tb, rank0: bool) -> None:
-    v = evaluate(run, run.cfg.train.eval_iters)
+def _eval_and_log(
+    run: Run, tb, rank0: bool, split: str, evals_before: int, where: str = ""
+) -> None:
+    """One evaluation and Megatron-LM's console line; ``where`` names the split at the end of
+    training (" on validation set", " on test set"), as its line does."""
+    start = eval_start(run.cfg, run.groups.dp, evals_before)
+    v = evaluate(run, run.cfg.train.eval_iters, split, start)
     if v is not None and rank0:
         ppl = math.exp(min(v, 20.0))
         log.info(
-            "validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E |",
+            "validation loss at iteration %d%s | lm loss value: %.6E | lm loss PPL: %.6E |",
             run.iteration,
+            where,
             v,
             ppl,
         )
-        tb.scalars({"validation/lm loss": v, "validation/lm loss PPL": ppl}, run.iteration)
+        tag = "test" if split == "test" else "validation"
+        if not where or split == "test":  # the periodic curve; the end's validation is console
+            tb.scalars({f"{tag}/lm loss": v, f"{tag}/lm loss PPL": ppl}, run.iteration)
 
 
 def setup_logging(rank: int) -> None:

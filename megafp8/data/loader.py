@@ -232,12 +232,16 @@ class DataIterators:
             self.eod_mask_id,
         )
 
-    def valid_iterator(self) -> Iterator[dict] | None:
-        """A fresh validation iterator from its first sample (every eval pass sees the same)."""
-        return self._iterator("valid")
+    def valid_iterator(self, start: int = 0) -> Iterator[dict] | None:
+        """A validation iterator from sample ``start`` (``train.eval_start``: each evaluation
+        reads on from where the previous one stopped, as Megatron-LM's)."""
+        return self._iterator("valid", start)
 
-    def test_iterator(self) -> Iterator[dict] | None:
-        return self._iterator("test")
+    def test_iterator(self, start: int = 0) -> Iterator[dict] | None:
+        return self._iterator("test", start)
+
+    def eval_iterator(self, split: str, start: int = 0) -> Iterator[dict] | None:
+        return self._iterator(split, start)
 
 
 def build_data_iterators(

@@ -141,3 +141,52 @@ def test_init_distributed_after_an_outside_init():
     assert run_distributed(_engine_after_outside_init, 1, tiny_config()) == [
         ("0", "DeepSpeedEngine")
     ]
+
+
+def _eval_reads(cfg):
+    import logging
+
+    from megafp8.data.loader import DataIterators
+
+    reads, lines = [], []
+    orig = DataIterators.eval_iterator
+
+    def record(self, split, start=0):
+        it = orig(self, split, start)
+        reads.append((split, start, len(self.datasets[split])))
+        return it
+
+    class Lines(logging.Handler):
+        def emit(self, r):
+            if "validation loss" in r.getMessage():
+                lines.append(r.getMessage().split(" | lm loss value")[0])
+
+    handler, logger = Lines(), logging.getLogger("megafp8")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    DataIterators.eval_iterator = record
+    try:
+        train_losses(cfg)
+    finally:
+        DataIterators.eval_iterator = orig
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return reads, lines
+
+
+def test_evaluations_read_on_through_the_validation_split():
+    """Megatron-LM's evaluation: each periodic one reads the eval_iters global batches after
+    the previous one's; at the end of training one more on the validation split, then one on
+    the test split from its start. The validation split holds exactly enough samples for them
+    all: (train_iters // eval_interval + 1) x eval_iters x gbs = 3 x 1 x 8."""
+    cfg = _cfg(train=dict(train_iters=4, micro_batch_size=2, global_batch_size=8, eval_interval=2))
+    cfg = cfg.replace(train=dict(eval_iters=1))
+    reads, lines = run_distributed(_eval_reads, 1, cfg)[0]
+    assert reads == [("valid", 0, 24), ("valid", 8, 24), ("valid", 16, 24), ("test", 0, 8)]
+    assert lines == [
+        "validation loss at iteration 2",
+        "validation loss at iteration 4",
+        "validation loss at iteration 4 on validation set",
+        "validation loss at iteration 4 on test set",
+    ]
