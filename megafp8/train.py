@@ -209,7 +209,13 @@ def evaluate(run: Run, iters: int, split: str = "valid", start: int = 0) -> floa
         for _ in range(iters * micro):
             batches.append(next(it))
     except StopIteration:
-        pass
+        log.warning(
+            "%s split: %d of the %d micro-batches from sample %d; the evaluation averages those",
+            split,
+            len(batches),
+            iters * micro,
+            start,
+        )
     try:
         return forward_only(run, batches) if batches else None
     finally:

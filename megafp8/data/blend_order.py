@@ -98,31 +98,46 @@ def _compiled():
     global _lib
     if _lib is not None:
         return _lib or None
-    cc = shlex.split(os.environ.get("CC") or "") or [shutil.which("cc") or "gcc"]
     tag = hashlib.sha256((_SOURCE + " ".join(_CFLAGS) + platform.machine()).encode()).hexdigest()
     name = f"blend_order-{tag[:16]}.so"
     where = _cache_dir()
     path = os.path.join(where, name)
     errors = []
     try:
+        cc = shlex.split(os.environ.get("CC") or "") or [shutil.which("cc") or "gcc"]
+    except ValueError as exc:
+        cc = None
+        errors.append(f"CC: {exc}")
+    try:
         os.makedirs(where, mode=0o700, exist_ok=True)
+        parent = os.stat(os.path.dirname(os.path.abspath(where)))
+        if parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX:
+            raise OSError(f"the directory above {where} is writable by others")
         if not _private(where):
             raise OSError(f"{where} is not this user's alone")
-        if not os.path.isfile(path):
+        try:
+            if not _private(path):
+                raise OSError(f"{path} is not this user's alone")
+            _lib = _load(path)
+        except (OSError, AttributeError) as exc:  # absent, stale, corrupt: built anew in place
+            if cc is None:
+                raise
+            if os.path.exists(path):
+                log.info("blend order: rebuilding %s (%s)", path, exc)
             _build(cc, where, path)
-        if not _private(path):
-            raise OSError(f"{path} is not this user's alone")
-        _lib = _load(path)
+            _lib = _load(path)
         return _lib
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         errors.append(f"{where}: {exc}")
     try:
+        if cc is None:
+            raise OSError("no compiler")
         with tempfile.TemporaryDirectory() as private:  # mode 0700; removed once loaded
             path = os.path.join(private, name)
             _build(cc, private, path)
             _lib = _load(path)
         return _lib
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         errors.append(f"private build: {exc}")
     log.warning("blend order: no compiled helper (%s); the Python loop runs", "; ".join(errors))
     _lib = False
