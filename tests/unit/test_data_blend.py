@@ -107,6 +107,14 @@ def test_blend_order_compiles_into_its_cache_or_runs_in_python(tmp_path, monkeyp
         assert [p.name.endswith(".so") for p in (tmp_path / "c").iterdir()] == [True]
         got = blend_order(normalized([0.3, 0.7]), 500)
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+        lib = next((tmp_path / "c").iterdir())
+        (tmp_path / "x").write_bytes(b"not a library")  # a corrupt one is built anew in place
+        os.replace(tmp_path / "x", lib)
+        monkeypatch.setattr(bo, "_lib", None)
+        assert bo._compiled() is not None and lib.stat().st_size > 100
+        lib.chmod(0o775)  # so is one that others could have written
+        monkeypatch.setattr(bo, "_lib", None)
+        assert bo._compiled() is not None and lib.stat().st_mode & 0o777 == 0o755
         monkeypatch.setattr(bo, "_lib", None)  # a cache others can write is not used
         (tmp_path / "c").chmod(0o777)
         assert bo._compiled() is not None  # built privately instead
