@@ -1,6 +1,8 @@
 """Splits, blend proportions, and blended real datasets through the loader (cache, resume)."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from megafp8.data.blend import (
 )
 from megafp8.data.blend_order import blend_order
 from megafp8.data.indexed import IndexedDatasetWriter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (elements, --split, the bounds): Megatron-LM main's rule, the bounds of the cumulative
 # fractions rounded half to even; (100000, "1,1,1") as its mock data is split
@@ -107,14 +111,17 @@ def test_blend_order_compiles_into_its_cache_or_runs_in_python(tmp_path, monkeyp
         assert [p.name.endswith(".so") for p in (tmp_path / "c").iterdir()] == [True]
         got = blend_order(normalized([0.3, 0.7]), 500)
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+        # in new processes (this one keeps the library it loaded): a corrupt library is built
+        # anew in place, and so is one that others could have written
         lib = next((tmp_path / "c").iterdir())
-        (tmp_path / "x").write_bytes(b"not a library")  # a corrupt one is built anew in place
+        load = [sys.executable, "-c", "import megafp8.data.blend_order as b; assert b._compiled()"]
+        (tmp_path / "x").write_bytes(b"not a library")
         os.replace(tmp_path / "x", lib)
-        monkeypatch.setattr(bo, "_lib", None)
-        assert bo._compiled() is not None and lib.stat().st_size > 100
-        lib.chmod(0o775)  # so is one that others could have written
-        monkeypatch.setattr(bo, "_lib", None)
-        assert bo._compiled() is not None and lib.stat().st_mode & 0o777 == 0o755
+        subprocess.run(load, check=True, env=dict(os.environ), cwd=ROOT)
+        assert lib.stat().st_size > 100
+        lib.chmod(0o775)
+        subprocess.run(load, check=True, env=dict(os.environ), cwd=ROOT)
+        assert lib.stat().st_mode & 0o777 == 0o755
         monkeypatch.setattr(bo, "_lib", None)  # a cache others can write is not used
         (tmp_path / "c").chmod(0o777)
         assert bo._compiled() is not None  # built privately instead
