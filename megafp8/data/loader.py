@@ -232,16 +232,13 @@ class DataIterators:
             self.eod_mask_id,
         )
 
-    def valid_iterator(self, start: int = 0) -> Iterator[dict] | None:
-        """A validation iterator from sample ``start`` (``train.eval_start``: each evaluation
-        reads on from where the previous one stopped, as Megatron-LM's)."""
-        return self._iterator("valid", start)
-
-    def test_iterator(self, start: int = 0) -> Iterator[dict] | None:
-        return self._iterator("test", start)
-
     def eval_iterator(self, split: str, start: int = 0) -> Iterator[dict] | None:
+        """``split``'s micro-batches from its sample ``start`` (``train.eval_start``: each
+        evaluation reads on from where the previous one stopped, as Megatron-LM's)."""
         return self._iterator(split, start)
+
+    def valid_iterator(self, start: int = 0) -> Iterator[dict] | None:
+        return self._iterator("valid", start)
 
 
 def build_data_iterators(
