@@ -263,7 +263,7 @@ class OptimConfig:
 @dataclass(frozen=True)
 class DataConfig:
     data_path: tuple[str, ...] = _f(
-        (), "dataset prefix(es): 'A', or a blend 'w1 A w2 B' (Megatron's)"
+        (), "dataset prefix(es): 'A', a blend 'w1 A w2 B', or 'A B' unweighted (Megatron's)"
     )
     split: str = _f("969,30,1", "train,valid,test proportions of each dataset")
     train_data_path: tuple[str, ...] = _f((), "instead of data_path: the train split's own blend")

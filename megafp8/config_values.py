@@ -167,21 +167,40 @@ def iters_for_samples(samples: int, gbs: int, ramp, steps) -> int:
     return iters
 
 
-def parse_data_path(data_path) -> list[tuple[float, str]]:
-    """``("A",)`` -> ``[(1.0, "A")]``; ``("0.7", "A", "0.3", "B")`` -> normalized weight pairs."""
+def _weight(item: str) -> float | None:
+    try:
+        return float(item)
+    except ValueError:
+        return None
+
+
+def parse_data_path(data_path) -> list[tuple[float | None, str]]:
+    """Megatron-LM's ``--data-path`` grammar:
+
+    - ``("A",)`` -> ``[(1.0, "A")]``: one dataset;
+    - ``("0.7", "A", "0.3", "B")`` -> the weights normalized: a weighted blend;
+    - ``("A", "B", ...)``, prefixes only -> ``[(None, "A"), (None, "B"), ...]``: an unweighted
+      blend (one epoch of each dataset, mixed by their sizes; ``loader.build_datasets``).
+    """
     items = list(data_path)
     if not items:
         raise ValueError("data_path is empty")
     if len(items) == 1:
         return [(1.0, items[0])]
+    numbers = [_weight(x) for x in items[0::2]]
+    if all(w is None for w in numbers) and all(_weight(x) is None for x in items[1::2]):
+        return [(None, p) for p in items]
     if len(items) % 2:
-        raise ValueError(f"data_path {items}: a blend is 'weight prefix' pairs")
+        raise ValueError(
+            f"data_path {items}: a blend is 'weight prefix' pairs, or prefixes without weights"
+        )
     pairs = []
-    for w, prefix in zip(items[0::2], items[1::2], strict=True):
-        try:
-            weight = float(w)
-        except ValueError:
-            raise ValueError(f"data_path weight {w!r} (of {prefix!r}) is not a number") from None
+    for w, weight, prefix in zip(items[0::2], numbers, items[1::2], strict=True):
+        if weight is None:
+            raise ValueError(
+                f"data_path weight {w!r} (of {prefix!r}) is not a number: give a weight "
+                "before every prefix, or none"
+            )
         if not weight >= 0:  # negative or nan
             raise ValueError(f"data_path weight {w!r} of {prefix!r} is negative")
         pairs.append((weight, prefix))

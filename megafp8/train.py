@@ -71,8 +71,9 @@ class Run:
     fp8_guard: Fp8OverflowGuard | None = None  # FP8 overflow -> the layer leaves FP8
 
 
-def check_inputs(cfg: Config) -> None:
-    """Cheap file checks before any process group or model exists."""
+def check_inputs(cfg: Config, world: int = 1) -> None:
+    """Cheap file checks before any process group or model exists (``world``: the processes of
+    the run, for the sample counts)."""
     d = cfg.data
     blends = {"data_path": d.data_path, **{f"{k}_data_path": v for k, v in split_paths(d).items()}}
     for name, blend in blends.items() if not d.mock_data else ():
@@ -85,6 +86,9 @@ def check_inputs(cfg: Config) -> None:
     from megafp8.data.tokenizer import check_run_tokenizer
 
     check_run_tokenizer(cfg)  # type, files, vocab_size, and each dataset's ids and EOD
+    from megafp8.data.loader import check_unweighted_epoch
+
+    check_unweighted_epoch(cfg, data_parallel_size(cfg, world))
     if cfg.train.load and not os.path.isdir(cfg.train.load):
         raise ValueError(f"load: {cfg.train.load} is not a directory")
     if cfg.train.load:
@@ -387,7 +391,7 @@ def main(argv=None) -> int:
         env = launch_env()  # torchrun, an srun task or one process
         check_launch(cfg, env)
         validate(cfg, env.world)
-        check_inputs(cfg)
+        check_inputs(cfg, env.world)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -203,7 +203,9 @@ class GPTDataset:
     """``ds[i]`` -> int64 array of ``seq_length + 1`` tokens, for ``i < num_samples``.
 
     ``low`` is an ``IndexedDataset`` or ``MockIndexedDataset``; ``documents`` the sequence ids of
-    this split. ``cache_dir=None`` builds the indices in memory.
+    this split. ``num_samples=None`` is one epoch: every sample its documents hold (Megatron-LM's
+    dataset built without a sample count, as its unweighted blends are). ``cache_dir=None``
+    builds the indices in memory.
     """
 
     def __init__(
@@ -211,18 +213,21 @@ class GPTDataset:
         low,
         documents: np.ndarray,
         seq_length: int,
-        num_samples: int,
+        num_samples: int | None,
         seed: int,
         cache_dir: str | None = None,
         name: str = "train",
     ):
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise ValueError(f"{name}: num_samples={num_samples} must be >= 1")
-        self.low, self.seq_length, self.num_samples, self.name = low, seq_length, num_samples, name
+        self.low, self.seq_length, self.name = low, seq_length, name
         documents = np.asarray(documents, np.int64)
         sizes = np.asarray(low.sequence_lengths)
         tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
-        epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
+        if num_samples is None:
+            epochs = 1
+        else:
+            epochs = epochs_needed(tokens_per_epoch, seq_length, num_samples)
         desc = {
             "class": "GPTDataset",
             "version": INDEX_VERSION,
@@ -245,7 +250,11 @@ class GPTDataset:
 
         def build():
             rs = np.random.RandomState(seed)
-            before = samples_before_final_epoch(tokens_per_epoch, seq_length, num_samples, epochs)
+            before = None
+            if num_samples is not None:
+                before = samples_before_final_epoch(
+                    tokens_per_epoch, seq_length, num_samples, epochs
+                )
             doc_index = build_document_index(documents, epochs, rs, before is not None)
             sample_index = build_sample_index(sizes, doc_index, seq_length)
             shuffle = build_shuffle_index(len(sample_index) - 1, before, rs)
@@ -262,7 +271,8 @@ class GPTDataset:
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
         self.epochs = epochs
-        if len(self.shuffle_index) < num_samples:
+        self.num_samples = len(self.shuffle_index) if num_samples is None else num_samples
+        if len(self.shuffle_index) < self.num_samples:
             raise RuntimeError(
                 f"{name}: index holds {len(self.shuffle_index)} samples, "
                 f"fewer than the {num_samples} asked for"

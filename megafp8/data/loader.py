@@ -76,7 +76,7 @@ def _parts(cfg, blend) -> list[tuple]:
 
 
 def _sources(cfg, tokenizer) -> dict[str, tuple[list, list, bool] | None]:
-    """Per split: (parts, each part's document range, whether weights were given), or None. With
+    """Per split: (parts, each part's document range, whether it is a blend), or None. With
     ``data_path`` (or mock data) every split cuts its range out of the same datasets (``split``);
     with the per-split blends (``--train-data-path`` ...) each split reads its own datasets
     whole."""
@@ -88,17 +88,17 @@ def _sources(cfg, tokenizer) -> dict[str, tuple[list, list, bool] | None]:
         out = {}
         for name in SPLITS:
             parts = _parts(cfg, per_split[name]) if name in per_split else None
-            weighted = bool(parts) and len(parts) > 1  # Megatron: one prefix is never blended
-            out[name] = parts and (parts, [(0, len(low)) for _, low, _ in parts], weighted)
+            blended = bool(parts) and len(parts) > 1  # Megatron: one prefix is never blended
+            out[name] = parts and (parts, [(0, len(low)) for _, low, _ in parts], blended)
         return out
     if d.mock_data:
-        parts, weighted = [(1.0, _mock_low(cfg, tokenizer), None)], False
+        parts, blended = [(1.0, _mock_low(cfg, tokenizer), None)], False
     else:
-        parts, weighted = _parts(cfg, d.data_path), len(d.data_path) > 1
+        parts, blended = _parts(cfg, d.data_path), len(d.data_path) > 1
     # Megatron-LM cuts its mock documents in three even splits whatever --split says
     fractions = parse_split(MOCK_SPLIT if d.mock_data else d.split)
     return {
-        name: (parts, [split_ranges(len(low), fractions)[s] for _, low, _ in parts], weighted)
+        name: (parts, [split_ranges(len(low), fractions)[s] for _, low, _ in parts], blended)
         for s, name in enumerate(SPLITS)
     }
 
@@ -106,31 +106,36 @@ def _sources(cfg, tokenizer) -> dict[str, tuple[list, list, bool] | None]:
 def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None]:
     """``{"train"|"valid"|"test": dataset or None}``; None where the split or its count is empty.
     One dataset named without a weight (or mock data) is a GPTDataset; weighted datasets (one or
-    more) are a BlendedDataset, built as Megatron-LM builds them (``blend.py``)."""
+    more) are a BlendedDataset, built as Megatron-LM builds them (``blend.py``); several named
+    without weights are Megatron-LM's unweighted blend (``_unweighted_blend``)."""
     counts = split_sample_counts(cfg, dp_size)
     seq, seed = cfg.model.seq_length, cfg.train.seed
     out: dict[str, object | None] = {}
     for name, source in _sources(cfg, tokenizer).items():
-        parts, ranges, weighted = source or ([], [], False)
-        usable = [i for i, (lo, hi) in enumerate(ranges) if hi > lo and parts[i][0] > 0]
+        parts, ranges, blended = source or ([], [], False)
+        weight_of = [1.0 if w is None else w for w, _, _ in parts]
+        usable = [i for i, (lo, hi) in enumerate(ranges) if hi > lo and weight_of[i] > 0]
         if not counts[name] or not usable:
             out[name] = None
             continue
-        if not weighted:
+        if not blended:
             _, low, cache = parts[0]
             out[name] = GPTDataset(low, np.arange(*ranges[0]), seq, counts[name], seed, cache, name)
+            continue
+        for i in set(range(len(parts))) - set(usable):
+            if weight_of[i] > 0:  # Megatron-LM cannot build this split at all
+                log.warning(
+                    "%s split: blend part %d has no documents in its range; "
+                    "the blend goes on without it",
+                    name,
+                    i,
+                )
+        if parts[0][0] is None:
+            out[name] = _unweighted_blend(parts, ranges, usable, counts[name], seq, seed, name)
             continue
         weights = [parts[i][0] for i in usable]  # normalized once (parse_data_path)
         if len(usable) < len(parts):  # a zero weight, or a dataset with no documents here
             weights = normalized(weights)
-            for i in set(range(len(parts))) - set(usable):
-                if parts[i][0] > 0:  # Megatron-LM cannot build this split at all
-                    log.warning(
-                        "%s split: blend part %d has no documents in its range; "
-                        "the blend goes on without it",
-                        name,
-                        i,
-                    )
         asked, built = blend_sizes(weights, counts[name])
         datasets = [
             GPTDataset(parts[i][1], np.arange(*ranges[i]), seq, n, seed, parts[i][2], name)
@@ -138,6 +143,81 @@ def build_datasets(cfg, dp_size: int, tokenizer=None) -> dict[str, object | None
         ]
         out[name] = BlendedDataset(datasets, weights, sum(asked), parts[usable[0]][2], name)
     return out
+
+
+def _short_epoch(total: int, count: int, seq: int) -> str:
+    return (
+        f"train: data without weights is one epoch of its datasets, {total} samples of "
+        f"seq_length {seq}, but the run needs {count} (train_iters x global batch): give "
+        "weights ('--data-path 1 A 1 B') to repeat them, or train on fewer samples"
+    )
+
+
+def check_unweighted_epoch(cfg, dp_size: int) -> None:
+    """Before any model is built: the train split of an unweighted blend (``--data-path A B``)
+    holds the samples the run needs (one epoch of each dataset; the sum of ``(tokens - 1) //
+    seq_length`` over its datasets' train documents), else the one-line error."""
+    d = cfg.data
+    blend = split_paths(d).get("train") or d.data_path
+    if d.mock_data or not blend:
+        return
+    parts = parse_data_path(blend)
+    if parts[0][0] is not None:
+        return
+    seq, total = cfg.model.seq_length, 0
+    fractions = None if split_paths(d) else parse_split(d.split)
+    for _, prefix in parts:
+        lengths = np.asarray(IndexedDataset(prefix).sequence_lengths)
+        lo, hi = (0, len(lengths))
+        if fractions is not None:  # the train range of --split
+            lo, hi = split_ranges(len(lengths), fractions)[0]
+        tokens = int(lengths[lo:hi].sum(dtype=np.int64))
+        total += max(0, (tokens - 1) // seq)
+    count = split_sample_counts(cfg, dp_size)["train"]
+    if total < count:
+        raise ValueError(_short_epoch(total, count, seq))
+
+
+def _unweighted_blend(parts, ranges, usable, count: int, seq: int, seed: int, name: str):
+    """``--data-path A B ...`` without weights, as Megatron-LM builds it: one epoch of each
+    dataset's split (every sample its documents hold, shuffled as always), blended in proportion
+    to those sample counts, ``min(count, their sum)`` samples long. Training needs all ``count``
+    samples (Megatron-LM would stop with an exhausted loader when the epoch ends); an evaluation
+    split that is shorter is used as far as it goes."""
+    datasets = [
+        GPTDataset(parts[i][1], np.arange(*ranges[i]), seq, None, seed, parts[i][2], name)
+        for i in usable
+    ]
+    sizes = [len(ds) for ds in datasets]
+    for i, n in zip(usable, sizes, strict=True):
+        if not n:
+            log.warning(
+                "%s split: blend part %d holds no sample of %d tokens; the blend goes on "
+                "without it",
+                name,
+                i,
+                seq + 1,
+            )
+    keep = [k for k, n in enumerate(sizes) if n]
+    total = sum(sizes)
+    if name == "train" and total < count:
+        raise ValueError(_short_epoch(total, count, seq))
+    if not total:
+        return None
+    if total < count:
+        log.warning(
+            "%s split: the unweighted blend holds %d of the %d samples its evaluations read",
+            name,
+            total,
+            count,
+        )
+    return BlendedDataset(
+        [datasets[k] for k in keep],
+        [sizes[k] for k in keep],
+        min(count, total),
+        parts[usable[keep[0]]][2],
+        name,
+    )
 
 
 def _collate(samples: list[np.ndarray], eod_mask_id: int | None = None) -> dict:

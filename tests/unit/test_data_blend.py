@@ -47,9 +47,13 @@ def test_split_ranges_match_megatron(num, split, bounds):
 def test_parse_errors():
     assert parse_data_path(("A",)) == [(1.0, "A")]
     assert parse_data_path(("3", "A", "1", "B")) == [(0.75, "A"), (0.25, "B")]
+    # prefixes alone: Megatron-LM's unweighted blend
+    assert parse_data_path(("x", "A")) == [(None, "x"), (None, "A")]
+    assert parse_data_path(("A", "B", "C")) == [(None, "A"), (None, "B"), (None, "C")]
     for bad, msg in [
         (("0.5", "A", "B"), "pairs"),
-        (("x", "A"), "not a number"),
+        (("x", "A", "1", "B"), "not a number"),
+        (("A", "0.5"), "not a number"),
         (("-1", "A", "1", "B"), "negative"),
         (("0", "A", "0", "B"), "sum to zero"),
     ]:
@@ -286,3 +290,77 @@ def test_per_split_blends_bad_input(tmp_path):
     )
     with pytest.raises(ValueError, match="^test_data_path: .*nope.bin does not exist"):
         check_inputs(missing)
+
+
+def test_unweighted_blend_as_megatron(tmp_path):
+    """--data-path A B (no weights): one epoch of each dataset's split, mixed in proportion to
+    their sample counts, min(needed, their sum) samples long. Megatron-LM d98e8a64 on the same
+    files and flags gave the same lengths, order and tokens (asserted below)."""
+    cfg = blend_cfg(tmp_path)
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    cfg = cfg.replace(data={"data_path": (a, b)})
+    ds = build_data_iterators(cfg, dp_rank=0, dp_size=1).datasets
+    train, valid, test = ds["train"], ds["valid"], ds["test"]
+    assert [len(d) for d in train.datasets] == [310, 229]  # one epoch each
+    assert [len(train), len(valid), len(test)] == [200, 48, 16]
+    assert train.counts.tolist() == [115, 85]
+    assert train.dataset_index[:16].tolist() == [0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 0, 1]
+    assert train.dataset_sample_index[:10].tolist() == [0, 0, 1, 1, 2, 2, 3, 4, 3, 5]
+    assert [int(train[i][0]) for i in (0, 1, 2, 199)] == [306, 1231, 41, 238]
+    assert [int(valid[i][0]) for i in (0, 1, 2, 47)] == [361, 1266, 370, 1259]
+    assert [int(test[i][0]) for i in (0, 1, 2, 15)] == [381, 1287, 387, 399]
+
+
+def test_unweighted_blend_short_splits(tmp_path, caplog):
+    """Three datasets; evaluations that want more than one epoch of the valid and test splits
+    read what there is (Megatron-LM d98e8a64: 200, 118 and 36 samples, the same tokens)."""
+    cfg = blend_cfg(tmp_path, eval_iters=8, seed=5)
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    c = str(tmp_path / "c_text_document")
+    write_dataset(c, 1500, 100, 3)
+    cfg = cfg.replace(data={"data_path": (a, b, c)})
+    with caplog.at_level("WARNING"):
+        ds = build_data_iterators(cfg, dp_rank=0, dp_size=1).datasets
+    assert "holds 36 of the 64 samples" in caplog.text
+    assert [len(ds[s]) for s in ("train", "valid", "test")] == [200, 118, 36]
+    assert ds["train"].counts.tolist() == [101, 75, 24]
+    assert [int(ds["train"][i][0]) for i in (0, 1, 2, 199)] == [155, 1037, 1544, 1051]
+    assert [int(ds["valid"][i][0]) for i in (0, 1, 2, 117)] == [377, 1262, 1588, 358]
+    assert [int(ds["test"][i][0]) for i in (0, 1, 2, 35)] == [387, 1293, 1597, 396]
+
+
+def test_unweighted_blend_needs_one_epoch_for_training(tmp_path):
+    """Training on more than one epoch of an unweighted blend stops before any model is built
+    (539 samples: 310 + 229 above); the per-split form reads each dataset whole."""
+    from megafp8.train import check_inputs
+
+    cfg = blend_cfg(tmp_path)
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    cfg = cfg.replace(data={"data_path": (a, b)})
+    check_inputs(cfg.replace(train={"train_iters": 67}))  # 536 samples
+    with pytest.raises(ValueError, match=r"^train: .* 539 samples .* needs 544 "):
+        check_inputs(cfg.replace(train={"train_iters": 68}))
+    by_dp = cfg.replace(train={"train_iters": 34, "global_batch_size": None, "micro_batch_size": 8})
+    check_inputs(by_dp)  # one DP rank: 34 x 8 samples
+    with pytest.raises(ValueError, match="needs 544"):
+        check_inputs(by_dp, world=2)  # two: the global batch is 16
+    per_split = cfg.replace(data={"data_path": (), "train_data_path": (a, b)})
+    train = build_data_iterators(per_split, dp_rank=0, dp_size=1).datasets["train"]
+    assert [len(d) for d in train.datasets] == [388, 285] and len(train) == 200
+    with pytest.raises(ValueError, match="needs 680"):
+        check_inputs(per_split.replace(train={"train_iters": 85}))
+
+
+def test_unweighted_blend_too_short_is_one_line(tmp_path, capsys):
+    from megafp8.train import main
+
+    blend_cfg(tmp_path)  # writes A and B
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    argv = ["--data-path", a, b, "--split", "80,15,5", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "2000",
+            "--micro-batch-size", "8", "--train-iters", "68",
+            "--tokenizer-type", "NullTokenizer"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: train: data without weights is one epoch") and "544" in err
