@@ -351,16 +351,22 @@ def test_unweighted_blend_needs_one_epoch_for_training(tmp_path):
         check_inputs(per_split.replace(train={"train_iters": 85}))
 
 
-def test_unweighted_blend_too_short_is_one_line(tmp_path, capsys):
-    from megafp8.train import main
-
+def test_unweighted_blend_too_short_is_one_line(tmp_path):
     blend_cfg(tmp_path)  # writes A and B
     a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
     argv = ["--data-path", a, b, "--split", "80,15,5", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "2000",
             "--micro-batch-size", "8", "--train-iters", "68",
             "--tokenizer-type", "NullTokenizer"]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
+    p = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stdout == ""  # nothing started
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1, err
     assert err.startswith("error: train: data without weights is one epoch") and "544" in err
