@@ -72,6 +72,12 @@ def build_document_index(
     return index
 
 
+def samples_in(tokens: int, seq_length: int) -> int:
+    """Samples of ``seq_length`` (+1 label token, shared with the next sample) that ``tokens``
+    hold: ``(tokens - 1) // seq_length``, never below 0."""
+    return max(0, (tokens - 1) // seq_length)
+
+
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int):
     """``[n + 1, 2]`` int64 (document-index position, offset) of every sample start.
 
@@ -81,7 +87,7 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     lengths = np.asarray(sizes, np.int64)[document_index]
     ends = np.cumsum(lengths, dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
-    n = max(0, (total - 1) // seq_length)
+    n = samples_in(total, seq_length)
     starts = np.arange(n + 1, dtype=np.int64) * seq_length
     pos = np.searchsorted(ends, starts, side="right")
     out = np.empty((n + 1, 2), np.int64)

@@ -31,7 +31,7 @@ from megafp8.data.blend import (
     parse_split,
     split_ranges,
 )
-from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset
+from megafp8.data.gpt_dataset import GPTDataset, MockIndexedDataset, samples_in
 from megafp8.data.indexed import IndexedDataset
 from megafp8.data.tokenizer import DEFAULT_MOCK_VOCAB_SIZE, check_data_tokenizer
 
@@ -155,24 +155,18 @@ def _short_epoch(total: int, count: int, seq: int) -> str:
 
 def check_unweighted_epoch(cfg, dp_size: int) -> None:
     """Before any model is built: the train split of an unweighted blend (``--data-path A B``)
-    holds the samples the run needs (one epoch of each dataset; the sum of ``(tokens - 1) //
-    seq_length`` over its datasets' train documents), else the one-line error."""
+    holds the samples the run needs (one epoch of each dataset: ``samples_in`` its train
+    documents' tokens, summed over the datasets), else the one-line error."""
     d = cfg.data
     blend = split_paths(d).get("train") or d.data_path
-    if d.mock_data or not blend:
+    if d.mock_data or not blend or parse_data_path(blend)[0][0] is not None:
         return
-    parts = parse_data_path(blend)
-    if parts[0][0] is not None:
-        return
-    seq, total = cfg.model.seq_length, 0
-    fractions = None if split_paths(d) else parse_split(d.split)
-    for _, prefix in parts:
-        lengths = np.asarray(IndexedDataset(prefix).sequence_lengths)
-        lo, hi = (0, len(lengths))
-        if fractions is not None:  # the train range of --split
-            lo, hi = split_ranges(len(lengths), fractions)[0]
-        tokens = int(lengths[lo:hi].sum(dtype=np.int64))
-        total += max(0, (tokens - 1) // seq)
+    parts, ranges, _ = _sources(cfg, None)["train"]
+    seq = cfg.model.seq_length
+    total = sum(
+        samples_in(int(np.asarray(low.sequence_lengths)[lo:hi].sum(dtype=np.int64)), seq)
+        for (_, low, _), (lo, hi) in zip(parts, ranges, strict=True)
+    )
     count = split_sample_counts(cfg, dp_size)["train"]
     if total < count:
         raise ValueError(_short_epoch(total, count, seq))
