@@ -27,6 +27,7 @@ import runpy
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARES = ("changed", "abs_delta_over_lr", "over_1.5_lr", "abs_w")  # per-element means
 
 
 def snapshot(named) -> dict:
@@ -63,10 +64,10 @@ def by_kind(stats: dict) -> dict:
         a = agg.setdefault(kind(name), {"numel": 0, "dtype": s["dtype"]})
         n = s["numel"]
         a["numel"] += n
-        for f in ("changed", "abs_delta_over_lr", "over_1.5_lr", "abs_w"):
+        for f in SHARES:
             a[f] = a.get(f, 0.0) + s[f] * n
     for a in agg.values():
-        for f in ("changed", "abs_delta_over_lr", "over_1.5_lr", "abs_w"):
+        for f in SHARES:
             a[f] /= a["numel"]
     return agg
 
