@@ -4,6 +4,8 @@
                       [--dtype bf16]
     megafp8-hf import --hf DIR --save CKPT [--tensor-model-parallel-size T]
                       [--pipeline-model-parallel-size P] [--seq-length S]
+    megafp8-hf from-megatron --load MEGATRON_SAVE_DIR --save CKPT [--iteration N]
+                      [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
 
 ``safetensors`` (and ``transformers`` to use the result) come with ``pip install -e .[hf]``;
 the rest of megafp8 imports without them.
@@ -53,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
         help="default: llama min(max_position_embeddings, 4096), gpt2 n_positions",
     )
     im.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
+    mg = sub.add_parser(
+        "from-megatron", help="Megatron-LM checkpoint (torch_dist or torch) -> megafp8 checkpoint"
+    )
+    mg.add_argument("--load", required=True, help="Megatron-LM's --save directory (or iter_N)")
+    mg.add_argument("--save", required=True, help="checkpoint directory to write (iteration 0)")
+    mg.add_argument("--iteration", type=int, default=None, help="default: the latest one")
+    mg.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    mg.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     return ap  # fmt: skip
 
 
@@ -69,6 +79,19 @@ def main(argv=None) -> int:
             convert.export_checkpoint(
                 args.load, args.out, args.family, args.iteration, dtype, args.max_shard_size_gb
             )
+        elif args.cmd == "from-megatron":
+            from megafp8.hf import megatron
+
+            cfg, src = megatron.import_checkpoint(
+                args.load,
+                args.save,
+                args.iteration,
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+            )
+            print(f"imported {src.path} ({src.format}, iteration {src.iteration})")
+            print("model flags for pretrain_gpt.py --load " + args.save + ":")
+            print(" ".join(convert.model_flags(cfg)))
         else:
             cfg = convert.import_checkpoint(
                 args.hf,

@@ -85,7 +85,9 @@ def full_tensors(cfg: Config, family: str, hf: dict) -> dict[str, torch.Tensor]:
     return full
 
 
-def write_rank(cfg: Config, full: dict[str, torch.Tensor], save_dir: str) -> None:
+def write_rank(
+    cfg: Config, full: dict[str, torch.Tensor], save_dir: str, source: str = "huggingface"
+) -> None:
     """On each of tp x pp processes (torch.distributed initialized): build this rank's model,
     fill it from ``full``, save it through DeepSpeed as iteration 0."""
     from megafp8 import checkpoint
@@ -125,11 +127,11 @@ def write_rank(cfg: Config, full: dict[str, torch.Tensor], save_dir: str) -> Non
         "fp8": backend.state_dict(),
         "rng": rng.state_dict(),
     }
-    meta = {"consumed_samples": 0, "config": cfg.to_dict(), "imported_from": "huggingface"}
+    meta = {"consumed_samples": 0, "config": cfg.to_dict(), "imported_from": source}
     checkpoint.save(engine, save_dir, 0, client, meta)
 
 
-def _worker(rank, world, store_path, cfg_dict, full_path, save_dir):
+def _worker(rank, world, store_path, cfg_dict, full_path, save_dir, source):
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -140,7 +142,7 @@ def _worker(rank, world, store_path, cfg_dict, full_path, save_dir):
                             world_size=world)  # fmt: skip
     try:
         full = torch.load(full_path, mmap=True, weights_only=True)
-        write_rank(Config.from_dict(cfg_dict), full, save_dir)
+        write_rank(Config.from_dict(cfg_dict), full, save_dir, source)
     finally:
         dist.destroy_process_group()
 
@@ -149,20 +151,31 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, **mo
     """Write ``hf_dir`` as a megafp8 checkpoint (iteration 0) at layout tp x pp into
     ``save_dir``, one gloo process per rank; returns the config (its model flags are what
     ``pretrain_gpt.py`` needs)."""
-    import torch.multiprocessing as mp
-
     from megafp8.validate import validate
 
     family, cfg, hf = import_config(hf_dir, tp, pp, **model)
     validate(cfg.replace(data={"mock_data": True}), tp * pp)  # the layout and model only
     full = full_tensors(cfg, family, hf)
-    world = tp * pp
+    del hf
+    write_checkpoint(cfg, full, save_dir, "huggingface")
+    log.info("imported %s (%s) into %s at tp=%d pp=%d", hf_dir, family, save_dir, tp, pp)
+    return cfg
+
+
+def write_checkpoint(cfg: Config, full: dict[str, torch.Tensor], save_dir: str, source: str):
+    """Save the one-process tensors ``full`` as a checkpoint of ``cfg``'s layout (iteration 0),
+    one gloo process per (tp, pp) rank; ``source`` is recorded as ``imported_from``. ``full`` is
+    emptied once written to a temporary file (the ranks read that, not the caller's memory)."""
+    import torch.multiprocessing as mp
+
+    p = cfg.parallel
+    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     with tempfile.TemporaryDirectory() as d:
         full_path = os.path.join(d, "full.pt")
         torch.save(full, full_path)
-        del full, hf
+        full.clear()
         ctx = mp.get_context("spawn")
-        args = (os.path.join(d, "store"), cfg.to_dict(), full_path, save_dir)
+        args = (os.path.join(d, "store"), cfg.to_dict(), full_path, save_dir, source)
         procs = [ctx.Process(target=_worker, args=(r, world, *args)) for r in range(world)]
         for proc in procs:
             proc.start()
@@ -171,8 +184,6 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, **mo
         bad = [r for r, proc in enumerate(procs) if proc.exitcode != 0]
         if bad:
             raise RuntimeError(f"import: rank(s) {bad} failed (see their traceback above)")
-    log.info("imported %s (%s) into %s at tp=%d pp=%d", hf_dir, family, save_dir, tp, pp)
-    return cfg
 
 
 def model_flags(cfg: Config) -> list[str]:
