@@ -106,7 +106,11 @@ def write_rank(
         cfg.fp8, amax_group=groups.tp_dp_group, tp_group=groups.tp_group,
         attention_backend=m.attention_backend,
     )  # fmt: skip
-    model = build_model(cfg, backend=backend, groups=groups, vocab_size=m.vocab_size, rng=rng)
+    # on the CPU, whatever the machine (the ranks are gloo processes); the backend's modules all
+    # the same (TE's where TE and a GPU are present: the ones a run there loads into)
+    model = build_model(
+        cfg, backend=backend, groups=groups, vocab_size=m.vocab_size, rng=rng, device="cpu"
+    )
     tp, r = groups.tp, groups.coords.tp
     with torch.no_grad():
         for name, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
@@ -127,7 +131,12 @@ def write_rank(
         "fp8": backend.state_dict(),
         "rng": rng.state_dict(),
     }
-    meta = {"consumed_samples": 0, "config": cfg.to_dict(), "imported_from": source}
+    meta = {
+        "consumed_samples": 0,
+        "config": cfg.to_dict(),
+        "imported_from": source,
+        "modules": checkpoint.module_family(cfg),
+    }
     checkpoint.save(engine, save_dir, 0, client, meta)
 
 
