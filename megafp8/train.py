@@ -256,7 +256,8 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
                 checkpoint.write_atomic(os.path.join(d, "config.yaml"), dump_yaml(cfg))
     tb = metrics.TensorBoard(lg.tensorboard_dir, rank0)
     tb.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-    since = {"iters": 0, "samples": 0, "flops": 0.0}  # since the last console line
+    fresh = {"iters": 0, "samples": 0, "flops": 0.0, "loss": 0.0, "losses": 0}
+    since = dict(fresh)  # since the last console line
     peak = metrics.peak_tflops(cfg.fp8.enabled)
     world = dist.get_world_size() if dist.is_initialized() else 1
     train_iter, signals, history = iter(run.data.train), Signals(), []
@@ -282,6 +283,9 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
         since["iters"] += 1
         since["samples"] += gbs
         since["flops"] += metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
+        if not verdict["skipped"]:  # the console's lm loss: the mean of the interval's updates
+            since["loss"] += loss
+            since["losses"] += 1
         if verdict["nan"] and run.policy.stop:
             raise FloatingPointError(f"{verdict['what']} at iteration {run.iteration}")
         if run.fp8_guard is not None:
@@ -305,10 +309,12 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
                 rec["throughput per GPU (TFLOP/s/GPU)"] = tflops
                 rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
             rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
+            # every iteration of the interval skipped: the last one's loss (a NaN, the spike)
+            rec["interval lm loss"] = since["loss"] / since["losses"] if since["losses"] else loss
             train_log.log_line(run, rec, gbs, tb, rank0)
             if cfg.model.num_experts:
                 tb.scalars(train_log.gather_pp(run, moe_metrics(run.model)), run.iteration)
-            since = {"iters": 0, "samples": 0, "flops": 0.0}
+            since = dict(fresh)
             timer.start()
         history.append(rec)
         hooks.after_step(run.iteration)

@@ -58,7 +58,9 @@ def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
         "consumed samples": run.consumed,
         **{k: rec.get(k) for k in ("elapsed time per iteration (ms)", "learning rate")},
         "global batch size": gbs,
-        "lm loss": rec["lm loss"],
+        # as Megatron-LM's line: the mean over the interval's iterations (skipped ones left
+        # out); the grad norm is the last iteration's. TensorBoard gets each logged iteration's
+        "lm loss": rec.get("interval lm loss", rec["lm loss"]),
         "grad norm": rec["grad norm"],
         "params norm": params_norm(run) if cfg.logging.log_params_norm else None,
     }

@@ -190,3 +190,29 @@ def test_evaluations_read_on_through_the_validation_split():
         "validation loss at iteration 4 on validation set",
         "validation loss at iteration 4 on test set",
     ]
+
+
+def test_console_loss_is_the_interval_mean():
+    """As Megatron-LM's console line: with --log-interval 2 the lm loss printed at iterations 2
+    and 4 is the mean of the interval's two losses; the history keeps each iteration's."""
+    cfg = tiny_config(train=dict(train_iters=4), logging=dict(log_interval=2, log_memory=False))
+    hist, lines = run_distributed(_train_lines, 1, cfg)[0]
+    losses = [r["lm loss"] for r in hist]
+    assert len(set(losses)) == 4  # they differ, so a mean is not any one of them
+    printed = [float(x.split("lm loss: ")[1].split(" |")[0]) for x in lines
+               if x.startswith(" iteration ")]  # fmt: skip
+    want = [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2]
+    assert printed == pytest.approx(want, rel=1e-6)  # printed with 7 significant digits
+
+
+def _train_lines(cfg):
+    import logging
+
+    from megafp8.train import train
+    from tests.unit.bad_steps_util import Capture
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cap, lg = Capture(), logging.getLogger("megafp8")
+    lg.addHandler(cap)
+    lg.setLevel(logging.INFO)
+    return train(cfg), cap.lines
