@@ -218,7 +218,10 @@ def model_fields(args, path: str = "the checkpoint") -> dict:
             _arg(args, "untie_embeddings_and_output_weights", False)
         ),
         add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
-        add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)),
+        # megafp8's --add-qkv-bias is the biases on q, k, v alone; Megatron-LM's args may hold it
+        # True beside --add-bias-linear as well
+        add_qkv_bias=bool(_arg(args, "add_qkv_bias", False))
+        and not _arg(args, "add_bias_linear", True),
         init_method_std=float(_arg(args, "init_method_std", 0.02)),
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),

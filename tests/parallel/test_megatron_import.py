@@ -63,6 +63,13 @@ def test_model_fields_from_args():
     assert (m.position_embedding_type, m.rotary_base) == ("rope", 500000.0)
     assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
     assert (m.vocab_size, m.seq_length) == (64, 16)
+    g = megatron.import_config(os.path.join(FIX, "gpt_dist"))[0].model
+    assert g.add_bias_linear and not g.add_qkv_bias  # the default model, as a run names it
+    assert (g.position_embedding_type, g.normalization, g.swiglu) == (
+        "learned_absolute",
+        "LayerNorm",
+        False,
+    )
 
 
 def test_refusals(tmp_path):
