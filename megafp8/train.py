@@ -264,6 +264,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     timer = metrics.Timer()
     hooks = RunHooks(cfg, run.groups.rank)
     timer.start()
+    first = True  # this process's first iteration gets a line of its own, as in Megatron-LM
     while run.iteration < t.train_iters:
         hooks.before_step(run.iteration + 1)
         logs = (run.iteration + 1) % lg.log_interval == 0 or run.iteration + 1 == t.train_iters
@@ -299,7 +300,9 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             # as Megatron-LM's line: the lr the schedule holds after this step (the next one's)
             "learning rate": learning_rate(cfg.optim, schedule_steps(run), t.train_iters),
         }
-        if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
+        line = run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters
+        extra, first = first and not line, False  # the first line: the sums are not reset, so
+        if line or extra:  # the interval's line still covers the whole interval (Megatron's)
             elapsed = timer.elapsed()
             dt = elapsed / since["iters"]
             tflops = since["flops"] / elapsed / world / 1e12
@@ -311,11 +314,12 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
             rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
             # every iteration of the interval skipped: the last one's loss (a NaN, the spike)
             rec["interval lm loss"] = since["loss"] / since["losses"] if since["losses"] else loss
-            train_log.log_line(run, rec, gbs, tb, rank0)
+            train_log.log_line(run, rec, gbs, tb, rank0, reset=line)
             if cfg.model.num_experts:
                 tb.scalars(train_log.gather_pp(run, moe_metrics(run.model)), run.iteration)
-            since = dict(fresh)
-            timer.start()
+            if line:
+                since = dict(fresh)
+                timer.start()
         history.append(rec)
         hooks.after_step(run.iteration)
         if t.eval_interval and run.iteration % t.eval_interval == 0:

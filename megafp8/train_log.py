@@ -52,7 +52,9 @@ def params_norm(run) -> float:
     return float(sums.sum().sqrt())
 
 
-def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
+def log_line(run, rec: dict, gbs: int, tb, rank0: bool, reset: bool = True) -> None:
+    """The console line and TensorBoard scalars of ``rec``; ``reset`` False (the extra line of a
+    run's first iteration) leaves the interval's skipped / NaN counts to the next line."""
     cfg = run.cfg
     vals = {
         "consumed samples": run.consumed,
@@ -65,7 +67,7 @@ def log_line(run, rec: dict, gbs: int, tb, rank0: bool) -> None:
         "params norm": params_norm(run) if cfg.logging.log_params_norm else None,
     }
     rec["params norm"] = vals["params norm"]
-    skipped, nans = run.policy.take_interval() if run.policy else (None, None)
+    skipped, nans = run.policy.take_interval(reset) if run.policy else (None, None)
     vals["number of skipped iterations"], vals["number of nan iterations"] = skipped, nans
     for k in (
         "tokens per second",

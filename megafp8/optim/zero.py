@@ -399,9 +399,12 @@ class StepPolicy:
         self.verdict = {"skipped": skipped, "nan": bad_loss or bad_grad, "what": what}
         return self.verdict
 
-    def take_interval(self) -> tuple[int, int]:
-        """(skipped, nan) iterations since the last call: the console line's counts."""
-        got, self._interval = tuple(self._interval), [0, 0]
+    def take_interval(self, reset: bool = True) -> tuple[int, int]:
+        """(skipped, nan) iterations since the last call that reset them: the console line's
+        counts."""
+        got = tuple(self._interval)
+        if reset:
+            self._interval = [0, 0]
         return got
 
     def state_dict(self) -> dict:

@@ -53,6 +53,18 @@ def test_nan_on_one_rank_and_spike_are_skipped(zero):
     assert "lm loss: NAN |" in [x for x in lines if x.startswith(" iteration        3/")][0]
 
 
+def test_first_line_leaves_the_counts_to_the_interval_line():
+    """--log-interval 3: iteration 1's own line (Megatron's) shows its skip, and the line of
+    iteration 3 still counts it, with the interval's lm loss the mean of the updated iterations."""
+    cfg = _cfg(nan_policy="skip").replace(logging=dict(log_interval=3, log_memory=False))
+    hist, _, lines, err = run_distributed(train_injected, 1, cfg, {1: "nan"})[0]
+    assert err is None and [r["skipped"] for r in hist] == [True] + [False] * 5
+    assert [_counts(lines, i) for i in (1, 3, 6)] == [(1, 1), (1, 1), (0, 0)]
+    line3 = [x for x in lines if x.startswith(" iteration        3/")][0]
+    loss3 = float(line3.split("lm loss: ")[1].split(" |")[0])
+    assert loss3 == pytest.approx((hist[1]["lm loss"] + hist[2]["lm loss"]) / 2, rel=1e-6)
+
+
 def test_loss_judged_on_the_device():
     """ZeRO 1 in bf16 with a fused AdamW (the GPU's path): the host launches the step before it
     reads the loss; the NaN loss (one rank) and the spike are withheld inside the fused kernel

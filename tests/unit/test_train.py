@@ -193,15 +193,17 @@ def test_evaluations_read_on_through_the_validation_split():
 
 
 def test_console_loss_is_the_interval_mean():
-    """As Megatron-LM's console line: with --log-interval 2 the lm loss printed at iterations 2
-    and 4 is the mean of the interval's two losses; the history keeps each iteration's."""
-    cfg = tiny_config(train=dict(train_iters=4), logging=dict(log_interval=2, log_memory=False))
+    """As Megatron-LM's console line: with --log-interval 3 iteration 1 gets a line of its own,
+    and the lm loss printed at iterations 3 and 6 is the mean of iterations 1-3 and 4-6; the
+    history keeps each iteration's."""
+    cfg = tiny_config(train=dict(train_iters=6), logging=dict(log_interval=3, log_memory=False))
     hist, lines = run_distributed(_train_lines, 1, cfg)[0]
     losses = [r["lm loss"] for r in hist]
-    assert len(set(losses)) == 4  # they differ, so a mean is not any one of them
-    printed = [float(x.split("lm loss: ")[1].split(" |")[0]) for x in lines
-               if x.startswith(" iteration ")]  # fmt: skip
-    want = [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2]
+    assert len(set(losses)) == 6  # they differ, so a mean is not any one of them
+    lines = [x for x in lines if x.startswith(" iteration ")]
+    assert [int(x.split()[1].split("/")[0]) for x in lines] == [1, 3, 6]
+    printed = [float(x.split("lm loss: ")[1].split(" |")[0]) for x in lines]
+    want = [losses[0], sum(losses[:3]) / 3, sum(losses[3:]) / 3]
     assert printed == pytest.approx(want, rel=1e-6)  # printed with 7 significant digits
 
 
