@@ -68,20 +68,31 @@ def import_config(hf_dir: str, tp: int = 1, pp: int = 1, **model) -> tuple[str, 
     return family, cfg, tensors
 
 
+def pad_vocab(full: dict[str, torch.Tensor], rows: int) -> None:
+    """The embedding (and untied output) to ``rows`` rows, in place: rows beyond that are dropped
+    (padding no token id reaches), missing ones added as zeros (their logits are 0 until
+    training moves them)."""
+    for name in ("embedding.weight", "output"):
+        t = full.get(name)
+        if t is None:
+            continue
+        if t.shape[0] >= rows:
+            full[name] = t[:rows].contiguous()
+        else:
+            full[name] = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
 def full_tensors(cfg: Config, family: str, hf: dict) -> dict[str, torch.Tensor]:
     """One-process tensors of ``cfg``'s layout from HF tensors: the vocab padded with zero rows
-    to ``padded_vocab_size`` at this tp (their logits are 0 until training moves them)."""
+    to ``padded_vocab_size`` at this tp."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     full = families.from_hf(m, family, hf)
-    vp = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     for name in ("embedding.weight", "output"):
-        if name in full:
-            t = full[name]
-            if t.shape[0] != m.vocab_size:
-                raise ValueError(
-                    f"{name}: {t.shape[0]} rows, config.json vocab_size={m.vocab_size}"
-                )
-            full[name] = torch.cat([t, t.new_zeros(vp - t.shape[0], t.shape[1])])
+        if name in full and full[name].shape[0] != m.vocab_size:
+            raise ValueError(
+                f"{name}: {full[name].shape[0]} rows, config.json vocab_size={m.vocab_size}"
+            )
+    pad_vocab(full, padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp))
     return full
 
 

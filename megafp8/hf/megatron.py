@@ -33,6 +33,8 @@ from types import SimpleNamespace
 
 import torch
 
+from megafp8.hf.convert import pad_vocab, write_checkpoint
+
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -311,26 +313,12 @@ def import_config(load_dir: str, iteration: int | None = None, tp: int = 1, pp: 
     return cfg, full, source
 
 
-def pad_vocab(full: dict[str, torch.Tensor], rows: int, path: str = "the checkpoint") -> None:
-    """The embedding (and untied output) to ``rows`` rows, in place: Megatron-LM's padding rows
-    beyond that are dropped (no token id reaches them), missing ones added as zeros."""
-    for name in ("embedding.weight", "output"):
-        t = full.get(name)
-        if t is None:
-            continue
-        if t.shape[0] >= rows:
-            full[name] = t[:rows].contiguous()
-        else:
-            full[name] = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
 def import_checkpoint(
     load_dir: str, save_dir: str, iteration: int | None = None, tp: int = 1, pp: int = 1
 ):
     """Write a Megatron-LM checkpoint's model as a megafp8 checkpoint (iteration 0) of layout
     tp x pp; returns (config, source). The optimizer state is not carried over."""
     from megafp8.config_values import padded_vocab_size
-    from megafp8.hf.convert import write_checkpoint
     from megafp8.validate import validate
 
     cfg, full, source = import_config(load_dir, iteration, tp, pp)
