@@ -11,6 +11,10 @@ side-by-side profiles differ, each timed with CUDA events (mean ms per call afte
 - ``output``: the output layer's three bf16 GEMMs (8192 x 4096 x 128256), the backward ones with
   the logits gradient from megafp8's Triton loss, from torch's cross-entropy, and random values
   of the same spread, in two rounds (at a power limit a GEMM's time depends on its data).
+- ``adamw``: one AdamW step of 1e9 fp32 masters from bf16 gradients in 10 tensors of 1e8,
+  writing the bf16 weights: the ZeRO 1/2 step's way before ``adamw_bf16`` (the gradients
+  widened into one fp32 buffer by a multi-tensor copy, torch's fused AdamW, the fp32 -> bf16
+  copy) against ``adamw_bf16.step`` (one kernel per gradient tensor, 28 bytes per parameter).
 
     python bench/kernel_probes.py --json probes.json
 """
@@ -119,7 +123,37 @@ def output() -> dict:
     return out
 
 
-PROBES = {"rope": rope, "embedding": embedding, "output": output}
+def adamw() -> dict:
+    from megafp8.optim import adamw_bf16
+
+    n, k = 10**9, 10
+    p0 = torch.randn(n, device="cuda") * 0.02
+    grads = [(torch.randn(n // k, device="cuda") * 1e-3).bfloat16() for _ in range(k)]
+    w16 = p0.bfloat16()
+
+    def optimizer():
+        p = torch.nn.Parameter(p0.clone())
+        return p, torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+
+    def widen_adamw_copy(p, opt):
+        wide = torch.empty(n, device="cuda")
+        torch._foreach_copy_(list(wide.split(n // k)), grads)
+        p.grad = wide
+        opt.step()
+        p.grad = None
+        w16.copy_(p.detach())
+
+    out = {}
+    p, opt = optimizer()
+    out["widen_fused_adamw_copy_ms"] = timed(lambda: widen_adamw_copy(p, opt), 10)
+    p, opt = optimizer()
+    torch.cuda.empty_cache()
+    out["adamw_bf16_ms"] = timed(lambda: adamw_bf16.step(opt, grads, w16), 10)
+    out["adamw_bf16_GB_per_s"] = 28 * n / out["adamw_bf16_ms"] / 1e6
+    return out
+
+
+PROBES = {"rope": rope, "embedding": embedding, "output": output, "adamw": adamw}
 
 
 def main() -> int:

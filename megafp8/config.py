@@ -252,6 +252,11 @@ class OptimConfig:
         "with --bf16: add the micro-batches' gradients in fp32 (DeepSpeed's BF16_Optimizer, "
         "ZeRO-1; default: bf16 .grad)",
     )
+    use_precision_aware_optimizer: bool = _f(
+        False,
+        "with --bf16, ZeRO 1/2: AdamW reads the bf16 gradients and writes the bf16 weights in "
+        "one pass over the fp32 masters and moments (no fp32 gradient copy, no weight copy)",
+    )
     zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
     optimizer_group_max_numel: int = _f(
         100_000_000,

@@ -176,12 +176,6 @@ TABLE = [
         "the lr schedule follows this run's flags: give the saved run's schedule flags",
     ),
     _f("rotary-interleaved", "switch", "refuse", "RoPE here rotates halves (Megatron's default)"),
-    _f(
-        "use-precision-aware-optimizer",
-        "switch",
-        "refuse",
-        "not available: ZeRO keeps fp32 master weights and fp32 Adam moments",
-    ),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}

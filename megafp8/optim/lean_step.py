@@ -29,6 +29,17 @@ Measured on the 7B shape: ~13 ms of norm kernels and ~14 ms of idle per step (BE
   nothing left to do). A dtype-changing ``Tensor.to`` runs PyTorch's unrolled (non-vectorized)
   copy kernel: 1.28 ms per 450 M elements on an H200 against 0.84 ms for
   ``torch._foreach_copy_``. The values are the same bits.
+
+With ``--use-precision-aware-optimizer`` (Megatron-LM's flag for its optimizer that reads the
+bf16 gradients and keeps the fp32 master weights itself), ``step`` itself (``bf16_step_ok``:
+bf16 weights with fp32 masters, a fused AdamW under ``StepGuard`` that skips on the norm, no
+overflow scan, no offload, MoE, Muon or ZenFlow): DeepSpeed's step for that case, the same
+norm, clip factor, update, all-gather and copies into the model, except that each group's
+update is ``adamw_bf16.step``. It reads the group's bf16 gradients where they lie and writes the
+bf16 partition in the same pass, so neither the fp32 gradient partition nor the fp32 -> bf16
+copy of the weights is made (40 -> 28 bytes moved per parameter). The gradients are freed after
+the update instead of before it (DeepSpeed frees them once it holds the fp32 copy): the same
+peak, less the fp32 copy.
 """
 
 from __future__ import annotations
@@ -39,9 +50,10 @@ import math
 import torch
 
 
-def install(optimizer) -> bool:
+def install(optimizer, bf16_step: bool = False) -> bool:
     """Swap the four methods on ``optimizer`` when it is DeepSpeed's ZeRO 1/2 optimizer without
-    CPU offload; returns whether it did."""
+    CPU offload, and with ``bf16_step`` (``--use-precision-aware-optimizer``) its ``step``;
+    returns whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
@@ -60,7 +72,91 @@ def install(optimizer) -> bool:
         optimizer._get_preflattened_grad_partition = functools.partial(
             widened_partition, optimizer, flat
         )
+    if bf16_step:
+        optimizer.step = functools.partial(step, optimizer, optimizer.step)
     return True
+
+
+def bf16_step_ok(zopt) -> bool:
+    """Whether ``step`` takes this step through ``adamw_bf16`` (else DeepSpeed's own)."""
+    from megafp8.optim import adamw_bf16
+
+    guard = _fused_guard(zopt)
+    inner = getattr(zopt, "optimizer", None)
+    if guard is None or guard.norm_of is None or not isinstance(inner, torch.optim.AdamW):
+        return False
+    if any(g.get("amsgrad") or g.get("maximize") for g in inner.param_groups):
+        return False
+    n = len(zopt.bit16_groups)
+    lacks = getattr(zopt, "_muon_update_lacks_loss_scale", lambda i: False)
+    fp32 = zopt.single_partition_of_fp32_groups
+    return bool(
+        zopt.dtype == torch.bfloat16
+        and not zopt.check_grad_overflow
+        and not zopt.cpu_offload
+        and not zopt.has_moe_layers
+        and not getattr(zopt, "zenflow", False)
+        and getattr(zopt, "torch_autocast_gradscaler", None) is None
+        and not any(lacks(i) for i in range(n))
+        and all(f.dtype == torch.float32 and adamw_bf16.available(f.device) for f in fp32)
+    )
+
+
+def _grad_pieces(zopt, group_idx) -> list:
+    """The group's gradient partition as DeepSpeed holds it: its pre-flattened buffer, else the
+    list of pieces that lie end to end over the partition."""
+    flat = type(zopt)._get_preflattened_grad_partition(zopt, group_idx)
+    if flat is not None:
+        return [flat]
+    grads = zopt.averaged_gradients.get(group_idx)
+    if not isinstance(grads, list) or not all(map(torch.is_tensor, grads)):
+        raise RuntimeError(f"ZeRO group {group_idx}: no gradient partition at the step")
+    return grads
+
+
+def step(zopt, fallback, closure=None):
+    """DeepSpeed's ZeRO 1/2 ``step`` for ``bf16_step_ok`` (module docstring); otherwise its own."""
+    if not bf16_step_ok(zopt):
+        return fallback(closure)
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero import stage_1_and_2 as S
+
+    zopt.micro_step_id = S.INITIAL_MICRO_STEP_ID
+    zopt._wait_for_offload_copies()
+    zopt.overflow = False  # bf16 without the scan: a bad norm is StepGuard's found_inf
+    norm = zopt.scaled_global_norm() if zopt.compute_grad_norm else None
+    zopt._global_grad_norm = None
+    prev_scale = zopt.loss_scale
+    zopt._update_scale(False)
+    if norm is not None:
+        zopt._global_grad_norm = norm / prev_scale
+    guard = _fused_guard(zopt)
+    for i in range(len(zopt.bit16_groups)):
+        partition_id = dist.get_rank(group=zopt.real_dp_process_group[i])
+        zopt.free_grad_in_param_list(zopt.params_not_in_partition[i])
+        grads = _grad_pieces(zopt, i)
+        if norm is not None:  # the clip factor goes to the kernel as its grad_scale
+            zopt.unscale_and_clip_grads([], norm)
+        guard.bf16_update = (grads, zopt.parallel_partitioned_bit16_groups[i][partition_id])
+        try:
+            zopt._optimizer_step(i)
+        finally:
+            guard.bf16_update = None
+        del grads
+        zopt.free_grad_in_param_list(zopt.params_in_partition[i])
+        zopt._release_preflattened_grad_buffers(i)
+        zopt.averaged_gradients[i] = None
+        zopt.all_grad_tensors[i] = None
+    S.all_gather_dp_groups(
+        groups_flat=zopt.bit16_groups_flat,
+        partitioned_param_groups=zopt.parallel_partitioned_bit16_groups,
+        dp_process_group=zopt.real_dp_process_group,
+        start_alignment_factor=zopt.nccl_start_alignment_factor,
+        allgather_bucket_size=zopt.allgather_bucket_size,
+    )
+    for i in range(len(zopt.bit16_groups)):
+        zopt._update_model_bit16_weights(i)
+    return None
 
 
 def widened_partition(zopt, fallback, group_idx):

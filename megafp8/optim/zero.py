@@ -183,6 +183,7 @@ def build_engine(model, cfg, groups):
     count_once_in_grad_norm(model, groups)
     o = cfg.optim
     fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    fused = fused or o.use_precision_aware_optimizer  # torch's fused AdamW runs on the CPU too
     pgroups = param_groups(model, o.weight_decay, decoupled=o.decoupled_lr is not None)
     if groups.ep > 1:  # experts reduced and sharded over their own group (optim/experts.py)
         from megafp8.optim.experts import register_expert_groups, split_expert_groups
@@ -212,7 +213,14 @@ def build_engine(model, cfg, groups):
         guard.check_grads = True  # the one layout where DeepSpeed steps on non-finite gradients
     if norm_skip(cfg):  # set by DeepSpeed's ZeRO 1/2 step before it steps the groups
         guard.norm_of = lambda: getattr(engine.optimizer, "_global_grad_norm", None)
-    lean_step.install(engine.optimizer)  # ZeRO 1/2: norm and clip without host waits
+    # ZeRO 1/2: norm and clip without host waits; --use-precision-aware-optimizer: the step too
+    lean_step.install(engine.optimizer, bf16_step=o.use_precision_aware_optimizer)
+    if o.use_precision_aware_optimizer and not lean_step.bf16_step_ok(engine.optimizer):
+        raise ValueError(
+            f"--use-precision-aware-optimizer: the optimizer {type(engine.optimizer).__name__} "
+            "cannot take it (it needs DeepSpeed's ZeRO 1/2 optimizer in bf16 with fp32 masters, "
+            "a fused AdamW, no offload and, on CUDA, Triton)"
+        )
     return engine
 
 
@@ -245,7 +253,12 @@ class StepGuard:
 
     ``skip_if`` (a 0-d float tensor on the device, 1.0: withhold; set by ``StepPolicy`` where
     ``on_device()``): the bad-loss verdict, joined to the norm's ``found_inf``, so the host
-    need not wait for the loss before the step."""
+    need not wait for the loss before the step.
+
+    ``bf16_update`` (set by ``lean_step``'s step around each group's ``optimizer.step()``,
+    fused AdamW only): ``(grads, out)``, the group's bf16 gradient pieces and bf16 partition;
+    the update then goes through ``adamw_bf16.step`` (reads the bf16 gradients, writes the bf16
+    weights) with the same ``found_inf`` and ``grad_scale``."""
 
     def __init__(self, opt: torch.optim.Optimizer):
         self.opt, self._step = opt, opt.step
@@ -253,6 +266,7 @@ class StepGuard:
         self.norm_of = None
         self.skip_if: torch.Tensor | None = None
         self.grad_scale = None  # set by lean_step's clip for the next fused step, then cleared
+        self.bf16_update: tuple | None = None  # (grads, out) during lean_step's group step
         self._found: tuple = (None, None)  # (the norm, its found_inf), once per step
         opt.step, opt.step_guard = self.step, self
 
@@ -288,6 +302,11 @@ class StepGuard:
             self.nonfinite_grad = bool(bad)
         if self.skip or self.nonfinite_grad:
             return None
+        if self.bf16_update is not None and fused:
+            from megafp8.optim import adamw_bf16
+
+            grads, out = self.bf16_update
+            return adamw_bf16.step(self.opt, grads, out, grad_scale=scale, found_inf=found)
         if not fused or (found is None and scale is None):
             return self._step(closure)
         # the fused kernel divides the gradients by grad_scale and leaves everything as it was

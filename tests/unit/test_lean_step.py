@@ -141,7 +141,7 @@ def _train(cfg, mode: str):
 
     widened = []
     if mode == "deepspeed":
-        L.install = lambda opt: False
+        L.install = lambda opt, **k: False
     elif mode == "unwidened":
         L.widened_partition = lambda zopt, fallback, i: fallback(i)
     else:

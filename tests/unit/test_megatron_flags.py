@@ -283,6 +283,23 @@ def test_fp32_gradient_accumulation_flag_is_taken():
     assert cfg.optim.accumulate_allreduce_grads_in_fp32 and notices == []
 
 
+def test_precision_aware_optimizer_flag_is_taken():
+    """Megatron's --use-precision-aware-optimizer is a real switch here (optim/adamw_bf16.py):
+    with --bf16 and ZeRO 1/2; elsewhere one line naming the values."""
+    cfg, notices = _parse("--mock-data --bf16 --use-precision-aware-optimizer")
+    assert cfg.optim.use_precision_aware_optimizer and notices == []
+    validate(cfg, 1)
+    for extra, got in (("", "bf16=False, zero_stage=1"),
+                       ("--bf16 --zero-stage 3", "bf16=True, zero_stage=3"),
+                       ("--bf16 --accumulate-allreduce-grads-in-fp32",
+                        "accumulate_allreduce_grads_in_fp32=True"),
+                       ("--bf16 --num-experts 2", "num_experts=2")):  # fmt: skip
+        cfg, _ = _parse(f"--mock-data --use-precision-aware-optimizer {extra}")
+        with pytest.raises(ValueError, match=f"use_precision_aware_optimizer with .*{got}.*"
+                           "it needs --bf16, ZeRO 1 or 2"):  # fmt: skip
+            validate(cfg, 1)
+
+
 # flags of Megatron-LM scripts in the wild beyond the example scripts above
 COMMON = (
     "--mock-data --transformer-impl transformer_engine --use-flash-attn --attention-softmax-in-fp32"
@@ -328,7 +345,6 @@ def test_common_script_flags_are_taken_or_noticed():
         ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
         ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
         ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler: the lr"),
-        ("--use-precision-aware-optimizer", "--use-precision-aware-optimizer: not available"),
     ],
 )
 def test_common_script_flags_refused_in_one_line(flags, message):

@@ -1,0 +1,109 @@
+"""adamw_bf16's Triton kernel on the GPU: equal to the same arithmetic in torch ops and to torch's
+fused CUDA AdamW to fp32 rounding (tests/unit/test_adamw_bf16.py gives the bound), found_inf
+withholding every bit without a host wait, pieces of any size (partial blocks); and a bf16 ZeRO-1
+run on the GPU whose step goes through it trains as DeepSpeed's own step."""
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _run(device, steps=3, n=3 * 2048 + 17, scales=None, founds=None):
+    from megafp8.optim import adamw_bf16
+
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen)
+    grads = [(torch.randn(n, generator=gen) * 10.0 ** (-i)).bfloat16() for i in range(steps)]
+    p = torch.nn.Parameter(p0.clone().to(device))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    out = p0.bfloat16().to(device)
+    for i, g in enumerate(grads):
+        g = g.to(device)
+        pieces = [g[:1000], g[1000:1001], g[1001:].reshape(-1)]  # partial blocks, one element
+        adamw_bf16.step(opt, pieces, out,
+                        grad_scale=None if scales is None else scales[i].to(device),
+                        found_inf=None if founds is None else founds[i].to(device))  # fmt: skip
+    st = opt.state[p]
+    return [t.detach().cpu() for t in (p, st["exp_avg"], st["exp_avg_sq"], st["step"], out)]
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-9)
+
+
+def test_kernel_equals_the_torch_ops():
+    scales = [torch.tensor(4.0), torch.tensor(1.0), torch.tensor(0.5)]
+    founds = [torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.0)]
+    for kw in ({}, {"scales": scales, "founds": founds}):
+        gpu, cpu = _run("cuda", **kw), _run("cpu", **kw)
+        for a, b in zip(gpu[:3], cpu[:3], strict=True):
+            _close(a, b)
+        assert float(gpu[3]) == float(cpu[3])
+        assert torch.equal(gpu[4], gpu[0].bfloat16())  # the bf16 weights: the masters rounded
+
+
+def test_kernel_equals_torch_fused_cuda_adamw():
+    from megafp8.optim import adamw_bf16
+
+    gen = torch.Generator().manual_seed(1)
+    p0 = torch.randn(10_000, generator=gen).cuda()
+    grads = [(torch.randn(10_000, generator=gen) * 1e-2).bfloat16().cuda() for _ in range(3)]
+    a, b = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    oa = torch.optim.AdamW([a], lr=1e-3, weight_decay=0.1)
+    ob = torch.optim.AdamW([b], lr=1e-3, weight_decay=0.1, fused=True)
+    out = p0.bfloat16()
+    for g in grads:
+        adamw_bf16.step(oa, [g], out)
+        b.grad = g.float()
+        ob.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        _close(oa.state[a][key], ob.state[b][key])
+    _close(a.detach(), b.detach())
+
+
+def test_found_inf_withholds_every_bit():
+    from megafp8.optim import adamw_bf16
+
+    p = torch.nn.Parameter(torch.randn(5000, device="cuda"))
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    out = p.detach().bfloat16()
+    g = torch.randn(5000, device="cuda").bfloat16()
+    adamw_bf16.step(opt, [g], out)
+    before = [t.clone() for t in (p.detach(), opt.state[p]["exp_avg"], out)]
+    adamw_bf16.step(opt, [g], out, found_inf=torch.ones((), device="cuda"))
+    after = [p.detach(), opt.state[p]["exp_avg"], out]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert float(opt.state[p]["step"]) == 1.0
+
+
+def _on_cuda(cfg, mode):
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    from tests.unit.test_adamw_bf16 import _train
+
+    hist, calls, masters, weights = _train(cfg, mode)
+    return hist, calls, masters.cpu(), weights.cpu()
+
+
+def test_gpu_training_matches_deepspeeds_step():
+    from tests.helpers.tiny import tiny_config
+
+    cfg = tiny_config(
+        train=dict(bf16=True, train_iters=3),
+        optim=dict(zero_stage=1, optimizer_group_max_numel=5000, clip_grad=0.05),
+    )
+    ours, calls, masters, weights = run_distributed(_on_cuda, 1, cfg, "bf16")[0]
+    ref, none, rmasters, _ = run_distributed(_on_cuda, 1, cfg, "deepspeed")[0]
+    assert calls >= 9 and none == 0
+    assert ours[0] == ref[0]
+    for (la, ga), (lb, gb) in zip(ours, ref, strict=True):
+        assert la == pytest.approx(lb, rel=1e-5)
+        assert ga == pytest.approx(gb, rel=1e-4)
+    torch.testing.assert_close(masters, rmasters, rtol=1e-5, atol=1e-6)
