@@ -70,8 +70,13 @@ TABLE = [
     _f("dataloader-type", str, "check", "must be single (Megatron's pretraining sampler order)"),
     _f("dist-ckpt-format", str, "check", "must be torch_dist"),
     _f(
-        "main-grads-dtype", str, "check", "must be fp32 (with --accumulate-allreduce-grads-in-fp32)"
+        "main-grads-dtype",
+        str,
+        "check",
+        "fp32 or bf16: with --use-precision-aware-optimizer the step reads the bf16 gradients "
+        "(bf16 accumulation; fp32 is --accumulate-allreduce-grads-in-fp32, without it)",
     ),
+    _f("main-params-dtype", str, "check", "must be fp32: the master weights are fp32"),
     _f("exp-avg-dtype", str, "check", "must be fp32: Adam's moments are fp32"),
     _f("exp-avg-sq-dtype", str, "check", "must be fp32: Adam's moments are fp32"),
     _f("kv-channels", int, "check", "must equal hidden_size / num_attention_heads"),
@@ -316,10 +321,13 @@ def _checks(given: dict, values: dict) -> None:
         raise ValueError(f"--rotary-percent {rp}: only 1.0 (the whole head dim) is supported")
     for name, want in (("optimizer", "adam"), ("dataloader_type", "single"),
                        ("dist_ckpt_format", "torch_dist"), ("exp_avg_dtype", "fp32"),
-                       ("exp_avg_sq_dtype", "fp32")):  # fmt: skip
+                       ("exp_avg_sq_dtype", "fp32"), ("main_params_dtype", "fp32")):  # fmt: skip
         got = given.get(name)
         if got is not None and got != want:
             raise ValueError(f"--{name.replace('_', '-')} {got}: {BY_DEST[name].help}")
+    mg = given.get("main_grads_dtype")
+    if mg is not None and mg not in ("fp32", "bf16"):
+        raise ValueError(f"--main-grads-dtype {mg}: {BY_DEST['main_grads_dtype'].help}")
     cp = given.get("context_parallel_size")
     if cp is not None and cp != 1:
         raise ValueError(f"--context-parallel-size {cp}: context parallelism is not available")

@@ -288,6 +288,9 @@ def test_precision_aware_optimizer_flag_is_taken():
     with --bf16 and ZeRO 1/2; elsewhere one line naming the values."""
     cfg, notices = _parse("--mock-data --bf16 --use-precision-aware-optimizer")
     assert cfg.optim.use_precision_aware_optimizer and notices == []
+    flags = "--main-grads-dtype bf16 --main-params-dtype fp32 --exp-avg-dtype fp32"
+    cfg, notices = _parse(f"--mock-data --bf16 --use-precision-aware-optimizer {flags}")
+    assert cfg.optim.use_precision_aware_optimizer and notices == []
     validate(cfg, 1)
     for extra, got in (("", "bf16=False, zero_stage=1"),
                        ("--bf16 --zero-stage 3", "bf16=True, zero_stage=3"),
@@ -341,6 +344,8 @@ def test_common_script_flags_are_taken_or_noticed():
         ("--optimizer sgd", "--optimizer sgd: must be adam"),
         ("--dataloader-type cyclic", "--dataloader-type cyclic: must be single"),
         ("--exp-avg-dtype bf16", "--exp-avg-dtype bf16: must be fp32"),
+        ("--main-params-dtype fp16", "--main-params-dtype fp16: must be fp32"),
+        ("--main-grads-dtype fp16", "--main-grads-dtype fp16: fp32 or bf16"),
         ("--no-save-optim", "--no-save-optim: checkpoints always hold the optimizer state"),
         ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
         ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
