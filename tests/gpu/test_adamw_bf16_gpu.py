@@ -1,7 +1,8 @@
 """adamw_bf16's Triton kernel on the GPU: equal to the same arithmetic in torch ops and to torch's
 fused CUDA AdamW to fp32 rounding (tests/unit/test_adamw_bf16.py gives the bound), found_inf
 withholding every bit without a host wait, pieces of any size (partial blocks); and a bf16 ZeRO-1
-run on the GPU whose step goes through it trains as DeepSpeed's own step."""
+run on the GPU with --use-precision-aware-optimizer trains as the one without it (DeepSpeed's own
+step, torch's fused AdamW)."""
 
 import os
 
@@ -84,11 +85,11 @@ def test_found_inf_withholds_every_bit():
     assert float(opt.state[p]["step"]) == 1.0
 
 
-def _on_cuda(cfg, mode):
+def _on_cuda(cfg):
     os.environ["DS_ACCELERATOR"] = "cuda"
     from tests.unit.test_adamw_bf16 import _train
 
-    hist, calls, masters, weights = _train(cfg, mode)
+    hist, calls, masters, weights = _train(cfg)
     return hist, calls, masters.cpu(), weights.cpu()
 
 
@@ -99,8 +100,9 @@ def test_gpu_training_matches_deepspeeds_step():
         train=dict(bf16=True, train_iters=3),
         optim=dict(zero_stage=1, optimizer_group_max_numel=5000, clip_grad=0.05),
     )
-    ours, calls, masters, weights = run_distributed(_on_cuda, 1, cfg, "bf16")[0]
-    ref, none, rmasters, _ = run_distributed(_on_cuda, 1, cfg, "deepspeed")[0]
+    aware = cfg.replace(optim=dict(use_precision_aware_optimizer=True))
+    ours, calls, masters, weights = run_distributed(_on_cuda, 1, aware)[0]
+    ref, none, rmasters, _ = run_distributed(_on_cuda, 1, cfg)[0]
     assert calls >= 9 and none == 0
     assert ours[0] == ref[0]
     for (la, ga), (lb, gb) in zip(ours, ref, strict=True):
