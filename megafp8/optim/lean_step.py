@@ -92,6 +92,9 @@ def bf16_step_ok(zopt) -> bool:
     fp32 = zopt.single_partition_of_fp32_groups
     return bool(
         zopt.dtype == torch.bfloat16
+        and not getattr(zopt, "custom_loss_scaler", False)
+        and not torch.is_tensor(zopt.loss_scale)
+        and zopt.loss_scale == 1.0  # the clip factor is the kernel's only scale
         and not zopt.check_grad_overflow
         and not zopt.cpu_offload
         and not zopt.has_moe_layers
@@ -106,11 +109,15 @@ def _grad_pieces(zopt, group_idx) -> list:
     """The group's gradient partition as DeepSpeed holds it: its pre-flattened buffer, else the
     list of pieces that lie end to end over the partition."""
     flat = type(zopt)._get_preflattened_grad_partition(zopt, group_idx)
-    if flat is not None:
-        return [flat]
-    grads = zopt.averaged_gradients.get(group_idx)
+    grads = [flat] if flat is not None else zopt.averaged_gradients.get(group_idx)
+    size = int(zopt.partition_size[group_idx])
     if not isinstance(grads, list) or not all(map(torch.is_tensor, grads)):
         raise RuntimeError(f"ZeRO group {group_idx}: no gradient partition at the step")
+    got = sum(g.numel() for g in grads)
+    if got != size:  # DeepSpeed's own step asserts the same
+        raise RuntimeError(
+            f"ZeRO group {group_idx}: gradients of {got} elements for a partition of {size}"
+        )
     return grads
 
 

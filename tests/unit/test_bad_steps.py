@@ -92,6 +92,21 @@ def test_nan_gradient_with_a_finite_loss_is_skipped(zero, bf16):
     assert _counts(got[0][2], 2) == (1, 1)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_bad_steps_under_the_precision_aware_optimizer(zero):
+    """--use-precision-aware-optimizer (adamw_bf16 reads found_inf): a NaN gradient at
+    iteration 2 (rank 0), a NaN loss at 4 (rank 1) and a spike at 6 leave every weight, master,
+    moment and step count as they were and are reported skipped; the others train."""
+    cfg = _cfg(zero, nan_policy="skip", bf16=True, check_for_spiky_loss=True, spiky_loss_window=2)
+    cfg = cfg.replace(optim=dict(use_precision_aware_optimizer=True))
+    for inject, rank, bad in (({2: "nangrad"}, 0, {2}), ({4: "nan", 6: "spike"}, 1, {4, 6})):
+        got = run_distributed(train_injected, 2, cfg, inject, rank)
+        for hist, unchanged, _, err in got:
+            assert err is None
+            assert unchanged == {i: i in bad for i in range(1, 7)}
+            assert [r["skipped"] for r in hist] == [i in bad for i in range(1, 7)]
+
+
 def test_nan_gradient_stop():
     _, _, _, err = run_distributed(train_injected, 1, _cfg(), {2: "nangrad"})[0]
     assert err.startswith("grad norm is ") and err.endswith(" at iteration 2")
