@@ -222,3 +222,23 @@ def test_resume_is_exact(tmp_path, fmt):
     assert len(mixed) == 2 and all(math.isfinite(x) for x in mixed)
     plain_rest = run_distributed(_losses, 2, plain.replace(train=dict(load=ck2)))[0]
     assert mixed == pytest.approx(plain_rest, rel=1e-5)  # fp32 rounding of one step's update
+
+
+def _build_without_the_kernel(cfg):
+    import megafp8.optim.adamw_bf16 as A
+    import megafp8.train as T
+
+    A.available = lambda device: False  # as on CUDA without Triton
+    groups, device = T.init_distributed(cfg)
+    try:
+        T.build_run(cfg, groups, device)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_no_kernel_is_one_line():
+    cfg = tiny_config(train=dict(bf16=True), optim=dict(use_precision_aware_optimizer=True))
+    err = run_distributed(_build_without_the_kernel, 1, cfg)[0]
+    assert err is not None and "\n" not in err
+    assert err.startswith("--use-precision-aware-optimizer: the optimizer DeepSpeedZeroOptimizer")
