@@ -111,18 +111,6 @@ def _layout(cfg: Config, world_size: int, e: list[str]) -> None:
             f"expert_model_parallel_size={ep}: fp32 gradient accumulation is DeepSpeed's "
             "BF16_Optimizer, ZeRO-1 without expert parallelism"
         )
-    if o.use_precision_aware_optimizer and not (
-        cfg.train.bf16
-        and o.zero_stage in (1, 2)
-        and not o.accumulate_allreduce_grads_in_fp32
-        and not cfg.model.num_experts
-    ):
-        e.append(
-            f"use_precision_aware_optimizer with bf16={cfg.train.bf16}, zero_stage={o.zero_stage}"
-            f", accumulate_allreduce_grads_in_fp32={o.accumulate_allreduce_grads_in_fp32}, "
-            f"num_experts={cfg.model.num_experts}: it needs --bf16, ZeRO 1 or 2, bf16 gradient "
-            "accumulation and a dense model"
-        )
     if cfg.optim.optimizer_group_max_numel < 0:
         e.append(
             f"optimizer_group_max_numel={cfg.optim.optimizer_group_max_numel}: give the most "
@@ -373,6 +361,18 @@ def _optim(cfg: Config, e: list[str]) -> None:
         e.append(f"clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     if cfg.logging.log_params_norm and o.zero_stage == 3:
         e.append("log_params_norm with zero_stage=3: ZeRO-3 holds no whole weight to measure")
+    if o.use_precision_aware_optimizer and not (
+        cfg.train.bf16
+        and o.zero_stage in (1, 2)
+        and not o.accumulate_allreduce_grads_in_fp32
+        and not cfg.model.num_experts
+    ):
+        e.append(
+            f"use_precision_aware_optimizer with bf16={cfg.train.bf16}, zero_stage={o.zero_stage}"
+            f", accumulate_allreduce_grads_in_fp32={o.accumulate_allreduce_grads_in_fp32}, "
+            f"num_experts={cfg.model.num_experts}: it needs --bf16, ZeRO 1 or 2, bf16 gradient "
+            "accumulation and a dense model"
+        )
 
 
 def _bad_steps(cfg: Config, e: list[str]) -> None:

@@ -108,7 +108,6 @@ def _update(p, g, m, v, out, scal, scale, found, k) -> None:
     if p.device.type != "cuda":
         return _reference(p, g, m, v, out, scal, scale, found, k)
     n = p.numel()
-    dummy = scal
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         p,
         g,
@@ -117,8 +116,8 @@ def _update(p, g, m, v, out, scal, scale, found, k) -> None:
         out,
         n,
         scal,
-        dummy if scale is None else scale,
-        dummy if found is None else found,
+        scal if scale is None else scale,  # any pointer where the flag says it is not read
+        scal if found is None else found,
         k["lr_wd"],
         k["beta1"],
         k["one_minus_beta1"],

@@ -108,7 +108,7 @@ def bf16_step_ok(zopt) -> bool:
 def _grad_pieces(zopt, group_idx) -> list:
     """The group's gradient partition as DeepSpeed holds it: its pre-flattened buffer, else the
     list of pieces that lie end to end over the partition."""
-    flat = type(zopt)._get_preflattened_grad_partition(zopt, group_idx)
+    flat = type(zopt)._get_preflattened_grad_partition(zopt, group_idx)  # DeepSpeed's, unwidened
     grads = [flat] if flat is not None else zopt.averaged_gradients.get(group_idx)
     size = int(zopt.partition_size[group_idx])
     if not isinstance(grads, list) or not all(map(torch.is_tensor, grads)):
@@ -132,11 +132,9 @@ def step(zopt, fallback, closure=None):
     zopt._wait_for_offload_copies()
     zopt.overflow = False  # bf16 without the scan: a bad norm is StepGuard's found_inf
     norm = zopt.scaled_global_norm() if zopt.compute_grad_norm else None
-    zopt._global_grad_norm = None
     prev_scale = zopt.loss_scale
     zopt._update_scale(False)
-    if norm is not None:
-        zopt._global_grad_norm = norm / prev_scale
+    zopt._global_grad_norm = None if norm is None else norm / prev_scale
     guard = _fused_guard(zopt)
     for i in range(len(zopt.bit16_groups)):
         partition_id = dist.get_rank(group=zopt.real_dp_process_group[i])
