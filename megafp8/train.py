@@ -49,7 +49,8 @@ from megafp8.run_hooks import (
     reach_master,
 )
 from megafp8.run_state import lrs, resume, save, schedule_steps
-from megafp8.validate import check_batches, validate
+from megafp8.validate import validate
+from megafp8.validate_data import check_batches
 
 log = logging.getLogger("megafp8")
 

@@ -109,7 +109,8 @@ def test_layout_checked_from_the_resumed_position(tmp_path):
     """At DP 2 x micro 2 batch 2 does not fit. A fresh run is refused; resuming, only the
     batches still due count: validate checks the last one, resume the rest at the consumed
     samples it loads (``check_batches``)."""
-    from megafp8.validate import check_batches, validate
+    from megafp8.validate import validate
+    from megafp8.validate_data import check_batches
 
     cfg = _cfg(train=dict(micro_batch_size=2))
     with pytest.raises(ValueError, match="a step-schedule batch=2 is not divisible by "
