@@ -7,7 +7,8 @@ side-by-side profiles differ, each timed with CUDA events (mean ms per call afte
   split, the grouped-query q copy and TE's RoPE on q and on k (Megatron-LM's way).
 - ``embedding``: the word embedding's gradient over 8 micro-batches of 8192 tokens (vocab
   128256 x 4096): autograd's dense per-micro-batch gradient added into ``.grad`` against
-  ``index_add_`` of the rows into one buffer.
+  megafp8's rows added into ``.grad`` in place (``parallel/grad_in_place.py``) and against
+  ``index_add_`` of the rows into one buffer (atomics: not deterministic).
 - ``output``: the output layer's three bf16 GEMMs (8192 x 4096 x 128256), the backward ones with
   the logits gradient from megafp8's Triton loss, from torch's cross-entropy, and random values
   of the same spread, in two rounds (at a power limit a GEMM's time depends on its data).
@@ -89,13 +90,21 @@ def embedding() -> dict:
         for _ in range(8):
             F.embedding(tokens, w).backward(g)
 
+    def in_place():
+        from megafp8.parallel.grad_in_place import embedding as emb
+
+        w.grad = None
+        for _ in range(8):
+            emb(tokens, w, True).backward(g)
+
     def index_add():
         buf = torch.zeros_like(w)
         for _ in range(8):
             buf.index_add_(0, tokens.view(-1), g.view(-1, H))
 
-    return {"dense_8_microbatches_ms": timed(dense, 5), "index_add_8_microbatches_ms":
-            timed(index_add, 5)}  # fmt: skip
+    return {"dense_8_microbatches_ms": timed(dense, 5),
+            "in_place_8_microbatches_ms": timed(in_place, 5),
+            "index_add_8_microbatches_ms": timed(index_add, 5)}  # fmt: skip
 
 
 def output() -> dict:

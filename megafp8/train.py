@@ -35,8 +35,15 @@ from megafp8.fp8.overflow_guard import Fp8OverflowGuard
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
 from megafp8.model.moe import moe_metrics, update_expert_bias
 from megafp8.optim.schedule import learning_rate
-from megafp8.optim.zero import StepPolicy, build_engine, set_lr, wgrad_fusion
+from megafp8.optim.zero import (
+    StepPolicy,
+    build_engine,
+    grads_accumulate_in_param,
+    set_lr,
+    wgrad_fusion,
+)
 from megafp8.parallel.groups import ParallelGroups
+from megafp8.parallel.layers import VocabParallelEmbedding
 from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
 from megafp8.parallel.random import model_parallel_seed
 from megafp8.run_hooks import (
@@ -171,6 +178,12 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
         eod=tok.eod,
     )
     _log_model_size(model, cfg.model.vocab_size, groups)
+    in_place = grads_accumulate_in_param(cfg)  # gradients added into .grad: grad_in_place.py
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding):
+            m.grad_in_place = in_place
+        if isinstance(m, GPTModel):
+            m.output_grad_in_place = in_place and cfg.fp8.gradient_accumulation_fusion
     engine = build_engine(model, cfg, groups)
     data = build_data_iterators(
         cfg,

@@ -21,6 +21,7 @@ from megafp8.model.block import TransformerBlock, make_norm
 from megafp8.model.documents import document_mask, document_positions, gather_tables
 from megafp8.model.recompute import Recompute
 from megafp8.parallel import mappings as M
+from megafp8.parallel.grad_in_place import linear
 from megafp8.parallel.layers import (
     VocabParallelEmbedding,
     full_normal,
@@ -51,7 +52,13 @@ class GPTModel(nn.Module):
     when untied) and its shards of every block; positions, norms and the mean loss are the same on
     every rank. Logits stay split along the vocab ([s, b, V/tp]); the loss reduces over TP without
     gathering them.
+
+    ``output_grad_in_place`` (set by the run under gradient accumulation fusion where ``.grad``
+    accumulates untouched by hooks): the output layer's weight gradient GEMM adds into ``.grad``
+    after the first micro-batch (``parallel/grad_in_place.py``).
     """
+
+    output_grad_in_place = False
 
     def __init__(
         self,
@@ -201,7 +208,7 @@ class GPTModel(nn.Module):
             x = M.gather_from_sequence_parallel_region(x, tg, True)  # [s, b, h]
         else:
             x = M.copy_to_tensor_parallel_region(x, tg)
-        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        logits = linear(x, self.output_weight(), self.output_grad_in_place)  # [s, b, V/tp]
         if labels is None:
             return logits
         fused = self.cfg.model.cross_entropy_loss_fusion  # the logits serve only the loss

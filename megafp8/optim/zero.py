@@ -102,22 +102,30 @@ def norm_skip(cfg) -> bool:
     )
 
 
+def grads_accumulate_in_param(cfg) -> bool:
+    """Whether a gradient may be added into a parameter's ``.grad`` in place, out of autograd's
+    sight: DeepSpeed reads ``.grad`` once, at the accumulation boundary, and none of its hooks
+    must see each micro-batch's gradient. ZeRO-1 without overlap (ZeRO-2/3 and overlap reduce
+    inside hooks; the fp32 accumulation of BF16_Optimizer, ZeRO-0's in bf16 included, adds
+    inside hooks). The word embedding's backward does so (``parallel/grad_in_place.py``)."""
+    o, t = cfg.optim, cfg.train
+    return bool(
+        o.zero_stage == 1
+        and not o.overlap_grad_reduce
+        and not (t.bf16 and o.accumulate_allreduce_grads_in_fp32)
+    )
+
+
 def wgrad_fusion(cfg) -> bool:
     """Whether the te backend's weight gradients accumulate inside their wgrad GEMM (TE's
     ``fuse_wgrad_accumulation`` into ``main_grad``, here the parameter's own ``.grad``): no
-    separate gradient per micro-batch, no add. Only where DeepSpeed reads ``.grad`` once, at the
-    accumulation boundary, and none of its hooks must see each micro-batch's gradient: ZeRO-1
-    without overlap (ZeRO-2/3 and overlap reduce inside hooks; the fp32 accumulation of
-    BF16_Optimizer, ZeRO-0's in bf16 included, adds inside hooks). Not under PP with activation
-    recompute: a recomputed forward reads the weight cache's first-micro-batch flag at backward
-    time, when another micro-batch's forward may have set it, and TE overwrites ``main_grad``
-    on the first micro-batch."""
-    o, t = cfg.optim, cfg.train
+    separate gradient per micro-batch, no add. Only where ``grads_accumulate_in_param``. Not
+    under PP with activation recompute: a recomputed forward reads the weight cache's
+    first-micro-batch flag at backward time, when another micro-batch's forward may have set
+    it, and TE overwrites ``main_grad`` on the first micro-batch."""
     return bool(
         cfg.fp8.gradient_accumulation_fusion
-        and o.zero_stage == 1
-        and not o.overlap_grad_reduce
-        and not (t.bf16 and o.accumulate_allreduce_grads_in_fp32)
+        and grads_accumulate_in_param(cfg)
         and not (cfg.parallel.pipeline_model_parallel_size > 1 and cfg.model.recompute_granularity)
     )
 

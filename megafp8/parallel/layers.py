@@ -19,6 +19,7 @@ from torch import nn
 
 from megafp8.parallel import fused_cross_entropy as fce
 from megafp8.parallel import mappings as M
+from megafp8.parallel.grad_in_place import embedding
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -256,8 +257,12 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocab: rank r holds rows [r*V/tp, (r+1)*V/tp).
 
     Forward: look up the tokens in this rank's range (others give zeros), all-reduce over TP.
-    Backward: identity; each rank's rows receive only their tokens' gradients.
+    Backward: identity; each rank's rows receive only their tokens' gradients. With
+    ``grad_in_place`` (set by the run where ``.grad`` accumulates untouched by hooks), those rows
+    are added into ``.grad`` directly after the first micro-batch (``grad_in_place.py``).
     """
+
+    grad_in_place = False
 
     def __init__(
         self, vocab_size, hidden, *, name, tp_group, std, seed, dtype=torch.float32, device=None
@@ -279,10 +284,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens):  # tokens: [b, s] or [s, b] -> [..., h]
         if M.world(self.tp_group) == 1:
-            return F.embedding(tokens, self.weight)
+            return embedding(tokens, self.weight, self.grad_in_place)
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., h]
+        out = embedding(local, self.weight, self.grad_in_place)  # [..., h]
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return M.reduce_from_tensor_parallel_region(out, self.tp_group)
 
 
