@@ -257,6 +257,11 @@ class OptimConfig:
         "with --bf16, ZeRO 1/2: AdamW reads the bf16 gradients and writes the bf16 weights in "
         "one pass over the fp32 masters and moments (no fp32 gradient copy, no weight copy)",
     )
+    embedding_grad_in_place: bool = _f(
+        False,
+        "ZeRO-1 without overlap or fp32 accumulation: the word embedding's gradient rows are "
+        "added into .grad after the first micro-batch (no dense [vocab, hidden] gradient each)",
+    )
     zero_stage: int = _f(1, "DeepSpeed ZeRO stage over the data-parallel group", (0, 1, 2, 3))
     optimizer_group_max_numel: int = _f(
         100_000_000,

@@ -181,7 +181,7 @@ def build_run(cfg: Config, groups: ParallelGroups, device: torch.device) -> Run:
     in_place = grads_accumulate_in_param(cfg)  # gradients added into .grad: grad_in_place.py
     for m in model.modules():
         if isinstance(m, VocabParallelEmbedding):
-            m.grad_in_place = in_place
+            m.grad_in_place = in_place and cfg.optim.embedding_grad_in_place
         if isinstance(m, GPTModel):
             m.output_grad_in_place = in_place and cfg.fp8.gradient_accumulation_fusion
     engine = build_engine(model, cfg, groups)

@@ -69,9 +69,16 @@ def test_kernel_equals_torch_fused_cuda_adamw():
         b.grad = g.float()
         ob.grad_scale, ob.found_inf = scale, found
         ob.step()
-    for key in ("exp_avg", "exp_avg_sq"):
-        _close(oa.state[a][key], ob.state[b][key])
-    _close(a.detach(), b.detach())
+    # torch's kernel forms the first moment as a lerp, m + (1 - b1)(g - m), ours as
+    # b1 m + (1 - b1) g: one fp32 ulp of the scaled gradient apart per step (two steps applied).
+    # Through the update that is lr x (2 ulp of g) / sqrt(v_hat) / (1 - b1^t) per step, and
+    # sqrt(v_hat) >= max|g| / sqrt(2) over two steps: 2 steps x lr x 32 eps / (1 - b1) bounds it.
+    eps = 2.0**-24
+    gmax = max(float((g.float() / s).abs().max()) for g, s in zip(grads, scales, strict=True))
+    torch.testing.assert_close(oa.state[a]["exp_avg"], ob.state[b]["exp_avg"], rtol=2e-6,
+                               atol=4 * eps * gmax)  # fmt: skip
+    _close(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"])
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=2 * 1e-3 * 32 * eps / 0.1)
     assert float(oa.state[a]["step"]) == float(ob.state[b]["step"]) == 2.0
     assert torch.equal(out, a.detach().bfloat16())
 

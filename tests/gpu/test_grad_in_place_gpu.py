@@ -56,6 +56,7 @@ def test_bf16_training_with_rows_added_in_place():
     cfg = tiny_config(
         train=dict(bf16=True, micro_batch_size=2, global_batch_size=8),
         model=dict(untie_embeddings_and_output_weights=True),
+        optim=dict(embedding_grad_in_place=True),
     )
     mine = run_distributed(_train, 1, cfg, True)[0]
     ref = run_distributed(_train, 1, cfg, False)[0]

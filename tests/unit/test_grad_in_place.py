@@ -2,8 +2,8 @@
 give autograd's dense gradient and its accumulation (fp32, the same order: bit for bit); the
 output layer's weight gradient GEMM adding into ``.grad`` gives autograd's accumulation to fp32
 rounding; the run turns them on exactly where ``.grad`` accumulates out of every hook's sight
-(the output layer under gradient accumulation fusion only); training with them equals training
-without, at TP 1 and 2 under ZeRO-1."""
+(the embedding with ``--embedding-grad-in-place``, the output layer under gradient accumulation
+fusion); training with them equals training without, at TP 1 and 2 under ZeRO-1."""
 
 import pytest
 import torch
@@ -121,25 +121,34 @@ def _train(cfg, in_place: bool):
 
 
 @pytest.mark.parametrize(
-    "tp,untie,fusion", [(1, True, False), (2, True, False), (1, True, True), (2, False, True)]
+    "tp,untie,fusion,emb",
+    [
+        (1, True, False, True),
+        (2, True, False, True),
+        (1, True, True, True),
+        (2, False, True, True),
+        (1, False, True, False),
+    ],
 )
-def test_training_with_gradients_added_in_place_equals_autograds(tp, untie, fusion):
+def test_training_with_gradients_added_in_place_equals_autograds(tp, untie, fusion, emb):
     """ZeRO-1, dp 2 (tp 1) or tp 2 (dp 1), two micro-batches per rank and iteration, five
-    iterations. Without gradient accumulation fusion only the embedding's rows go in place: the
-    same sums in the same order, so the history is equal bit for bit. With it the output layer's
-    GEMM adds into ``.grad`` too (and, tied, the embedding's gradient joins in another order):
-    fp32 rounding apart."""
+    iterations. With ``embedding_grad_in_place`` and without gradient accumulation fusion only
+    the embedding's rows go in place: the same sums in the same order, so the history is equal
+    bit for bit. With fusion the output layer's GEMM adds into ``.grad`` too (and, tied, the
+    embedding's gradient joins in another order): fp32 rounding apart. Without
+    ``embedding_grad_in_place`` (the default) the embedding keeps autograd's gradient."""
     gbs = 8 if tp == 1 else 4  # two micro-batches of 2 on every data-parallel rank
     cfg = tiny_config(
         parallel=dict(tensor_model_parallel_size=tp),
         model=dict(untie_embeddings_and_output_weights=untie),
         train=dict(global_batch_size=gbs),
         fp8=dict(gradient_accumulation_fusion=fusion),
+        optim=dict(embedding_grad_in_place=emb),
     )
     mine, calls = run_distributed(_train, 2, cfg, True)[0]
     ref, none = run_distributed(_train, 2, cfg, False)[0]
     # the second micro-batch of each iteration
-    assert calls == {"rows": 5, "gemm": 5 if fusion else 0}
+    assert calls == {"rows": 5 if emb else 0, "gemm": 5 if fusion else 0}
     assert none == {"rows": 0, "gemm": 0}
     assert len(mine) == 5
     if not fusion:
