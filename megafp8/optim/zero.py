@@ -107,7 +107,8 @@ def grads_accumulate_in_param(cfg) -> bool:
     sight: DeepSpeed reads ``.grad`` once, at the accumulation boundary, and none of its hooks
     must see each micro-batch's gradient. ZeRO-1 without overlap (ZeRO-2/3 and overlap reduce
     inside hooks; the fp32 accumulation of BF16_Optimizer, ZeRO-0's in bf16 included, adds
-    inside hooks). The word embedding's backward does so (``parallel/grad_in_place.py``)."""
+    inside hooks). The word embedding's backward (with ``embedding_grad_in_place``) and the
+    output layer's (under gradient accumulation fusion) do so (``parallel/grad_in_place.py``)."""
     o, t = cfg.optim, cfg.train
     return bool(
         o.zero_stage == 1
