@@ -118,15 +118,15 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, grad_in_place: bool) -> t
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        ctx.weight = weight
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # the parameter itself: its .grad is read in backward
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         w = ctx.weight
-        dx = g @ weight if ctx.needs_input_grad[0] else None
+        dx = g @ w if ctx.needs_input_grad[0] else None
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if w.grad is None:  # the first micro-batch: a fresh gradient becomes .grad
             return dx, g2.t() @ x2
