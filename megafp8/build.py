@@ -18,7 +18,8 @@ from megafp8.config_values import data_parallel_size, parse_data_path, split_pat
 from megafp8.fp8.backend import build_backend
 from megafp8.fp8.overflow_guard import Fp8OverflowGuard
 from megafp8.model.gpt import GPTModel, GPTModelChunks, build_model
-from megafp8.optim.zero import StepPolicy, build_engine, grads_accumulate_in_param, wgrad_fusion
+from megafp8.optim.step_guard import StepPolicy
+from megafp8.optim.zero import build_engine, grads_accumulate_in_param, wgrad_fusion
 from megafp8.parallel.groups import ParallelGroups
 from megafp8.parallel.layers import VocabParallelEmbedding
 from megafp8.parallel.random import model_parallel_seed

@@ -29,10 +29,8 @@ from megafp8.config_values import (
 from megafp8.fp8.overflow_guard import Fp8OverflowGuard
 from megafp8.model.moe import moe_metrics, update_expert_bias
 from megafp8.optim.schedule import learning_rate
-from megafp8.optim.zero import (
-    StepPolicy,
-    set_lr,
-)
+from megafp8.optim.step_guard import StepPolicy
+from megafp8.optim.zero import set_lr
 from megafp8.parallel.pipeline.schedules import forward_only, train_iteration
 from megafp8.run_hooks import (
     RunHooks,

@@ -33,7 +33,7 @@ class Capture(logging.Handler):
 def snapshot(run) -> list[torch.Tensor]:
     """This rank's model parameters, the optimizer's own parameters (ZeRO's fp32 partitions)
     and every tensor of its state (Adam's moments and step counts)."""
-    from megafp8.optim.zero import step_guard
+    from megafp8.optim.step_guard import step_guard
 
     opt = step_guard(run.engine).opt
     out = [p.detach().clone() for p in run.model.parameters()]
@@ -65,7 +65,7 @@ def train_injected(cfg, inject: dict, rank: int | None = None, load_run=None, fu
     groups, device = T.init_distributed(cfg)
     run = T.build_run(cfg, groups, device)
     if fused:
-        from megafp8.optim.zero import step_guard
+        from megafp8.optim.step_guard import step_guard
 
         opt = step_guard(run.engine).opt
         opt.defaults["fused"] = True

@@ -125,7 +125,7 @@ def test_norm_skip_withholds_the_update(fused):
     host; otherwise read on the host); a finite one steps; nothing stays set afterwards."""
     import torch
 
-    from megafp8.optim.zero import StepGuard
+    from megafp8.optim.step_guard import StepGuard
 
     p = torch.nn.Parameter(torch.ones(8))
     opt = torch.optim.AdamW([p], lr=0.1, fused=fused)
@@ -153,7 +153,7 @@ def test_loss_verdict_on_the_device_withholds_the_update():
     found_inf, with a finite norm and with none; 0.0 lets the update happen."""
     import torch
 
-    from megafp8.optim.zero import StepGuard
+    from megafp8.optim.step_guard import StepGuard
 
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=0.1, fused=True)
@@ -181,7 +181,7 @@ def test_norm_skip_counts_the_skip():
 
     import torch
 
-    from megafp8.optim.zero import StepGuard, StepPolicy
+    from megafp8.optim.step_guard import StepGuard, StepPolicy
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
     guard = StepGuard(opt)

@@ -101,7 +101,7 @@ def test_clip_factor_goes_to_a_fused_adamw():
     import types
 
     from megafp8.optim import lean_step
-    from megafp8.optim.zero import StepGuard
+    from megafp8.optim.step_guard import StepGuard
 
     def make(fused):
         p = torch.nn.Parameter(torch.linspace(-1, 1, 16))

@@ -16,7 +16,7 @@ received ``grad_output`` (already scaled), so with ``scale_wrt_gas=False`` DeepS
 accumulation and ZeRO reduction see the gradients one process would have. ``engine.step()``
 follows every backward; DeepSpeed steps at the m-th, the accumulation boundary, which every
 schedule calls last (``boundary_step``): after the iteration's loss is known on every rank, so
-the bad-step policy (``run.policy``, ``optim/zero.py``'s ``StepPolicy``) can withhold the update.
+the bad-step policy (``run.policy``, ``optim/step_guard.py``) can withhold the update.
 Without pipelining the loss stays on the GPU until the step is launched: where the optimizer can
 withhold its update on the device (``StepPolicy.on_device``) the host reads it only afterwards,
 so the step's many small kernels queue behind the last backward instead of starting on an idle
