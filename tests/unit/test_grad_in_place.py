@@ -99,6 +99,7 @@ def test_output_layer_accumulates_as_autograd_does():
 
 
 def _train(cfg, in_place: bool):
+    import megafp8.build as B
     import megafp8.parallel.grad_in_place as EG
     import megafp8.train as T
 
@@ -115,7 +116,7 @@ def _train(cfg, in_place: bool):
 
     EG.add_rows = rows
     EG._Linear.backward = staticmethod(bwd)
-    T.grads_accumulate_in_param = lambda cfg: in_place
+    B.grads_accumulate_in_param = lambda cfg: in_place  # build_run reads it
     hist = [(r["lm loss"], r["grad norm"]) for r in T.train(cfg)]
     return hist, calls
 
