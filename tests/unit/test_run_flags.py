@@ -4,6 +4,7 @@ without the optimizer state, manual GC."""
 import gc
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -169,7 +170,37 @@ def test_manual_gc_turns_the_collector_off_for_the_run():
     assert gc.isenabled()
     late = RunHooks(_cfg(train=dict(exit_duration_in_mins=1.0)), rank=0, start_time=0.0)
     assert late.deadline_passed()
-    assert not RunHooks(_cfg(), rank=0).deadline_passed()
+    late.close()
+    hooks = RunHooks(_cfg(), rank=0)
+    assert not hooks.deadline_passed()
+    hooks.close()
+
+
+def test_the_build_objects_leave_the_collectors_passes_for_the_run():
+    """Before the loop everything alive is frozen: a full pass during training walks only what
+    training made (objects made after the freeze are still collected); close() unfreezes."""
+    from megafp8.run_hooks import RunHooks
+
+    built = [[] for _ in range(1000)]  # alive before the loop, as the model and engine are
+    hooks = RunHooks(_cfg(), rank=0)
+    try:
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(built)
+        frozen = gc.get_freeze_count()
+        cycle: list = []
+        cycle.append(cycle)  # garbage made during training: a cycle only the collector frees
+        ref = weakref.ref(_Box(cycle))
+        gc.collect()
+        assert ref() is None
+        assert gc.get_freeze_count() == frozen
+    finally:
+        hooks.close()
+    assert gc.get_freeze_count() == 0
+
+
+class _Box:
+    def __init__(self, v):
+        self.v, self.me = v, self
 
 
 def _first_batch_and_loss(cfg):
