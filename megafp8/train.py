@@ -130,93 +130,97 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     train_iter, signals, history = iter(run.data.train), Signals(), []
     timer = metrics.Timer()
     hooks = RunHooks(cfg, run.groups.rank)
-    timer.start()
-    first = True  # this process's first iteration gets a line of its own, as in Megatron-LM
-    while run.iteration < t.train_iters:
-        hooks.before_step(run.iteration + 1)
-        logs = (run.iteration + 1) % lg.log_interval == 0 or run.iteration + 1 == t.train_iters
-        fp8_stats = lg.log_fp8_stats and logs
-        if fp8_stats:
-            run.backend.start_fp8_stats()
-        gbs = batch_size_at(cfg, dp, run.consumed)  # the full one, or a ramp-up's
-        if gbs != run.engine.train_batch_size():
-            run.engine.set_train_batch_size(gbs)  # its accumulation steps
-        loss, gnorm = train_step(run, train_iter, hooks)
-        if fp8_stats:
-            tb.scalars(train_log.fp8_stats(run), run.iteration + 1)
-        run.iteration += 1
-        run.consumed += gbs  # a skipped iteration consumed its batch too (Megatron's)
-        verdict = run.policy.verdict
-        run.skipped_samples += gbs if verdict["skipped"] else 0
-        since["iters"] += 1
-        since["samples"] += gbs
-        since["flops"] += metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
-        if not verdict["skipped"]:  # the console's lm loss: the mean of the interval's updates
-            since["loss"] += loss
-            since["losses"] += 1
-        if verdict["nan"] and run.policy.stop:
-            raise FloatingPointError(f"{verdict['what']} at iteration {run.iteration}")
-        if run.fp8_guard is not None:
-            run.fp8_guard.after_iteration(run.iteration)
-        rec = {
-            "iteration": run.iteration,
-            "lm loss": loss,
-            "grad norm": gnorm,
-            "skipped": verdict["skipped"],
-            "global batch size": gbs,
-            # as Megatron-LM's line: the lr the schedule holds after this step (the next one's)
-            "learning rate": learning_rate(cfg.optim, schedule_steps(run), t.train_iters),
-        }
-        line = run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters
-        extra, first = first and not line, False  # the first line: the sums are not reset, so
-        if line or extra:  # the interval's line still covers the whole interval (Megatron's)
-            elapsed = timer.elapsed()
-            dt = elapsed / since["iters"]
-            tflops = since["flops"] / elapsed / world / 1e12
-            rec["elapsed time per iteration (ms)"] = dt * 1e3
-            if lg.log_throughput:
-                rec["tokens per second"] = since["samples"] * cfg.model.seq_length / elapsed
-                rec["throughput per GPU (TFLOP/s/GPU)"] = tflops
-                rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
-            rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
-            # every iteration of the interval skipped: the last one's loss (a NaN, the spike)
-            rec["interval lm loss"] = since["loss"] / since["losses"] if since["losses"] else loss
-            train_log.log_line(run, rec, gbs, tb, rank0, reset=line)
-            if cfg.model.num_experts:
-                tb.scalars(train_log.gather_pp(run, moe_metrics(run.model)), run.iteration)
-            if line:
-                since = dict(fresh)
-                timer.start()
-        history.append(rec)
-        hooks.after_step(run.iteration)
-        if t.eval_interval and run.iteration % t.eval_interval == 0:
-            hooks.before_eval_or_save()
-            _eval_and_log(run, tb, rank0, "valid", run.iteration // t.eval_interval - 1)
-        deadline = hooks.deadline_passed()
-        interval = bool(t.exit_interval) and run.iteration % t.exit_interval == 0
-        stop = signals.any(run.device, deadline) or interval  # the same iteration on every rank
-        if t.save and (
-            (t.save_interval and run.iteration % t.save_interval == 0)
-            or stop
-            or run.iteration == t.train_iters
-        ):
-            hooks.before_eval_or_save()
-            save(run)
-        if stop:
-            why = "signal received" if signals.hit else "exit duration reached"
-            why = "exit interval reached" if interval and not signals.hit else why
-            log.warning("%s: %s at iteration %d, exiting", why, "saved" if t.save else "not saved",
-                        run.iteration)  # fmt: skip
-            break
-    else:  # the last iteration reached: Megatron-LM's evaluations at the end of training
-        if t.eval_interval and t.eval_iters:
-            hooks.before_eval_or_save()
-            _eval_and_log(
-                run, tb, rank0, "valid", t.train_iters // t.eval_interval, " on validation set"
-            )
-            _eval_and_log(run, tb, rank0, "test", 0, " on test set")
-    hooks.close()
-    tb.close()
+    try:  # a raise in the loop still unfreezes the collector, re-enables it, closes the trace
+        timer.start()
+        first = True  # this process's first iteration gets a line of its own, as in Megatron-LM
+        while run.iteration < t.train_iters:
+            hooks.before_step(run.iteration + 1)
+            logs = (run.iteration + 1) % lg.log_interval == 0 or run.iteration + 1 == t.train_iters
+            fp8_stats = lg.log_fp8_stats and logs
+            if fp8_stats:
+                run.backend.start_fp8_stats()
+            gbs = batch_size_at(cfg, dp, run.consumed)  # the full one, or a ramp-up's
+            if gbs != run.engine.train_batch_size():
+                run.engine.set_train_batch_size(gbs)  # its accumulation steps
+            loss, gnorm = train_step(run, train_iter, hooks)
+            if fp8_stats:
+                tb.scalars(train_log.fp8_stats(run), run.iteration + 1)
+            run.iteration += 1
+            run.consumed += gbs  # a skipped iteration consumed its batch too (Megatron's)
+            verdict = run.policy.verdict
+            run.skipped_samples += gbs if verdict["skipped"] else 0
+            since["iters"] += 1
+            since["samples"] += gbs
+            since["flops"] += metrics.flops_per_iteration(cfg.model, gbs, run.model.padded_vocab)
+            if not verdict["skipped"]:  # the console's lm loss: the mean of the interval's updates
+                since["loss"] += loss
+                since["losses"] += 1
+            if verdict["nan"] and run.policy.stop:
+                raise FloatingPointError(f"{verdict['what']} at iteration {run.iteration}")
+            if run.fp8_guard is not None:
+                run.fp8_guard.after_iteration(run.iteration)
+            rec = {
+                "iteration": run.iteration,
+                "lm loss": loss,
+                "grad norm": gnorm,
+                "skipped": verdict["skipped"],
+                "global batch size": gbs,
+                # as Megatron-LM's line: the lr the schedule holds after this step (the next one's)
+                "learning rate": learning_rate(cfg.optim, schedule_steps(run), t.train_iters),
+            }
+            line = run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters
+            extra, first = first and not line, False  # the first line: the sums are not reset, so
+            if line or extra:  # the interval's line still covers the whole interval (Megatron's)
+                elapsed = timer.elapsed()
+                dt = elapsed / since["iters"]
+                tflops = since["flops"] / elapsed / world / 1e12
+                rec["elapsed time per iteration (ms)"] = dt * 1e3
+                if lg.log_throughput:
+                    rec["tokens per second"] = since["samples"] * cfg.model.seq_length / elapsed
+                    rec["throughput per GPU (TFLOP/s/GPU)"] = tflops
+                    rec["MFU (%)"] = 100.0 * tflops / peak if peak else None
+                rec["peak memory (GB)"] = metrics.peak_memory_gb() if lg.log_memory else None
+                # every iteration of the interval skipped: the last one's loss (a NaN, the spike)
+                rec["interval lm loss"] = (
+                    since["loss"] / since["losses"] if since["losses"] else loss
+                )
+                train_log.log_line(run, rec, gbs, tb, rank0, reset=line)
+                if cfg.model.num_experts:
+                    tb.scalars(train_log.gather_pp(run, moe_metrics(run.model)), run.iteration)
+                if line:
+                    since = dict(fresh)
+                    timer.start()
+            history.append(rec)
+            hooks.after_step(run.iteration)
+            if t.eval_interval and run.iteration % t.eval_interval == 0:
+                hooks.before_eval_or_save()
+                _eval_and_log(run, tb, rank0, "valid", run.iteration // t.eval_interval - 1)
+            deadline = hooks.deadline_passed()
+            interval = bool(t.exit_interval) and run.iteration % t.exit_interval == 0
+            stop = signals.any(run.device, deadline) or interval  # the same iteration on every rank
+            if t.save and (
+                (t.save_interval and run.iteration % t.save_interval == 0)
+                or stop
+                or run.iteration == t.train_iters
+            ):
+                hooks.before_eval_or_save()
+                save(run)
+            if stop:
+                why = "signal received" if signals.hit else "exit duration reached"
+                why = "exit interval reached" if interval and not signals.hit else why
+                done = "saved" if t.save else "not saved"
+                log.warning("%s: %s at iteration %d, exiting", why, done, run.iteration)
+                break
+        else:  # the last iteration reached: Megatron-LM's evaluations at the end of training
+            if t.eval_interval and t.eval_iters:
+                hooks.before_eval_or_save()
+                _eval_and_log(
+                    run, tb, rank0, "valid", t.train_iters // t.eval_interval, " on validation set"
+                )
+                _eval_and_log(run, tb, rank0, "test", 0, " on test set")
+    finally:
+        hooks.close()
+        tb.close()
     return history
 
 

@@ -198,6 +198,38 @@ def test_the_build_objects_leave_the_collectors_passes_for_the_run():
     assert gc.get_freeze_count() == 0
 
 
+def _gc_state_after_a_raise_in_the_loop(cfg):
+    """train() whose second iteration raises: the collector's state once the error is out."""
+    from megafp8 import train as train_mod
+
+    real, calls = train_mod.train_step, []
+
+    def failing(run, it, hooks=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second iteration fails")
+        return real(run, it, hooks)
+
+    train_mod.train_step = failing
+    try:
+        train_mod.train(cfg)
+    except RuntimeError as e:
+        return str(e), gc.isenabled(), gc.get_freeze_count()
+    finally:
+        train_mod.train_step = real
+    return None, gc.isenabled(), gc.get_freeze_count()
+
+
+def test_a_raise_in_the_loop_leaves_the_collector_as_it_was():
+    """--manual-gc turns the collector off and the loop freezes the build's objects: an error
+    inside the loop still gives both back (a process that goes on, such as a notebook or a
+    test runner, keeps a working collector)."""
+    cfg = _cfg(train=dict(manual_gc=True))
+    err, enabled, frozen = run_distributed(_gc_state_after_a_raise_in_the_loop, 1, cfg)[0]
+    assert err == "the second iteration fails"
+    assert enabled and frozen == 0, (enabled, frozen)
+
+
 class _Box:
     def __init__(self, v):
         self.v, self.me = v, self
