@@ -258,7 +258,7 @@ class OptimConfig:
         "one pass over the fp32 masters and moments (no fp32 gradient copy, no weight copy)",
     )
     embedding_grad_in_place: bool = _f(
-        False,
+        True,
         "ZeRO-1 without overlap or fp32 accumulation: the word embedding's gradient rows are "
         "added into .grad after the first micro-batch (no dense [vocab, hidden] gradient each)",
     )

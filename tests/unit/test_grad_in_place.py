@@ -136,8 +136,8 @@ def test_training_with_gradients_added_in_place_equals_autograds(tp, untie, fusi
     iterations. With ``embedding_grad_in_place`` and without gradient accumulation fusion only
     the embedding's rows go in place: the same sums in the same order, so the history is equal
     bit for bit. With fusion the output layer's GEMM adds into ``.grad`` too (and, tied, the
-    embedding's gradient joins in another order): fp32 rounding apart. Without
-    ``embedding_grad_in_place`` (the default) the embedding keeps autograd's gradient."""
+    embedding's gradient joins in another order): fp32 rounding apart. With
+    ``--no-embedding-grad-in-place`` the embedding keeps autograd's gradient."""
     gbs = 8 if tp == 1 else 4  # two micro-batches of 2 on every data-parallel rank
     cfg = tiny_config(
         parallel=dict(tensor_model_parallel_size=tp),
