@@ -19,6 +19,11 @@ marks ``megafp8.data``, ``megafp8.forward``, ``megafp8.backward``, ``megafp8.fp8
 ``megafp8.step``; ``(none)`` outside them).
 Idle time per phase, and the ``--gaps N`` longest gaps with their place in the span and the
 kernels on either side.
+
+Who launched a kernel: ``--who SUBSTR ...`` lists, for the kernels whose name holds one of the
+substrings, the CPU operators that launched them (the chain of ``cpu_op`` ranges around the
+launch on its thread, innermost first, with the innermost one's input shapes, which
+``--profile`` records), their calls and time per iteration.
 """
 
 from __future__ import annotations
@@ -30,10 +35,9 @@ import json
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _phases(trace: dict):
-    """kernel event -> the name of the innermost ``user_annotation`` range around the CPU call
-    (matched by ``args.correlation``) that launched it, on the launching thread, else on any
-    thread; ``(none)`` where there is none."""
+def _launches_and_ranges(trace: dict, cat: str):
+    """``{correlation: (tid, ts)}`` of every kernel launch on the CPU, and per thread the
+    ``(start, end, name, args)`` of the CPU ranges of category ``cat``."""
     launch, ranges = {}, collections.defaultdict(list)
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or "dur" not in e:
@@ -42,9 +46,17 @@ def _phases(trace: dict):
             corr = e.get("args", {}).get("correlation")
             if corr is not None:
                 launch[corr] = (e.get("tid"), float(e["ts"]))
-        elif e.get("cat") == "user_annotation":
+        elif e.get("cat") == cat:
             t0 = float(e["ts"])
-            ranges[e.get("tid")].append((t0, t0 + float(e["dur"]), e["name"]))
+            ranges[e.get("tid")].append((t0, t0 + float(e["dur"]), e["name"], e.get("args", {})))
+    return launch, ranges
+
+
+def _phases(trace: dict):
+    """kernel event -> the name of the innermost ``user_annotation`` range around the CPU call
+    (matched by ``args.correlation``) that launched it, on the launching thread, else on any
+    thread; ``(none)`` where there is none."""
+    launch, ranges = _launches_and_ranges(trace, "user_annotation")
 
     def phase(kernel: dict) -> str:
         at = launch.get(kernel.get("args", {}).get("correlation"))
@@ -56,6 +68,38 @@ def _phases(trace: dict):
         return min(inside, key=lambda r: r[1] - r[0])[2] if inside else "(none)"
 
     return phase
+
+
+def launchers(trace: dict, substrings: list[str], iters: int = 1, depth: int = 3) -> list[dict]:
+    """For kernels whose name holds one of ``substrings``: the CPU operators that launched them,
+    grouped by the chain of ``cpu_op`` ranges around the launch (innermost first, ``depth`` of
+    them) and the innermost one's input shapes; calls and ms per iteration, most time first."""
+    launch, ops = _launches_and_ranges(trace, "cpu_op")
+    rows: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATS or "dur" not in e:
+            continue
+        if not any(sub in e["name"] for sub in substrings):
+            continue
+        at = launch.get(e.get("args", {}).get("correlation"))
+        inside = [] if at is None else [o for o in ops.get(at[0], ()) if o[0] <= at[1] <= o[1]]
+        inside.sort(key=lambda o: o[1] - o[0])  # innermost first
+        chain = " < ".join(o[2] for o in inside[:depth]) or "(no cpu op)"
+        dims = inside[0][3].get("Input Dims") if inside else None
+        dims = "" if dims is None else json.dumps(dims)
+        row = rows[(e["name"], chain, dims)]
+        row[0] += float(e["dur"])
+        row[1] += 1
+    return [
+        {
+            "kernel": k,
+            "ops": c,
+            "dims": d,
+            "ms_per_iter": v[0] / 1e3 / iters,
+            "calls_per_iter": v[1] / iters,
+        }
+        for (k, c, d), v in sorted(rows.items(), key=lambda kv: -kv[1][0])
+    ]
 
 
 def summarize(trace: dict, iters: int = 1) -> dict:
@@ -149,11 +193,17 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--phase", nargs="*", default=[], help="phases whose top kernels to print (megafp8.step)"
     )
+    ap.add_argument(
+        "--who", nargs="*", default=[], help="kernel name substrings: list what launched them"
+    )
     a = ap.parse_args(argv)
     if a.iters < 1:
         ap.error(f"--iters {a.iters}: at least 1")
     with open(a.trace) as f:
-        s = summarize(json.load(f), a.iters)
+        trace = json.load(f)
+    s = summarize(trace, a.iters)
+    if a.who:
+        s["who"] = launchers(trace, a.who, a.iters)
     print(
         f"per iteration: GPU span {s['span_ms']:.1f} ms, busy {s['busy_ms']:.1f} ms, "
         f"idle {100 * s['idle_share']:.1f} %"
@@ -176,6 +226,13 @@ def main(argv=None) -> None:
         print(
             f"{k['ms_per_iter']:9.2f} {k['calls_per_iter']:7.0f} {100 * k['share']:5.1f}%  "
             f"{k['name'][:140]}"
+        )
+    if a.who:
+        print(f"{'ms/iter':>9} {'calls':>7}  kernel <- CPU ops, innermost first [shapes]")
+    for w in s.get("who", [])[:60]:
+        print(
+            f"{w['ms_per_iter']:9.2f} {w['calls_per_iter']:7.0f}  {w['kernel'][:60]} <- "
+            f"{w['ops'][:120]} {w['dims'][:160]}"
         )
     if a.json:
         with open(a.json, "w") as f:

@@ -113,3 +113,43 @@ def test_idle_gaps_charged_to_the_launching_phase(capsys, tmp_path):
     assert "megafp8.step" in out and out.count("  gap ") == 2
     assert "0.12 ms/iter,      2 launched: megafp8.backward" in out
     assert out.count("      ") >= 2 and "ms  d" in out and "ms  e" in out
+
+
+def test_who_names_the_operators_that_launched_a_kernel(capsys, tmp_path):
+    """``--who``: the chain of CPU operators around each matching kernel's launch, innermost
+    first, with the innermost one's input shapes; other kernels are left out."""
+    ts = _load()
+
+    def op(name, t, dur, dims=None, tid=1):
+        e = {"ph": "X", "cat": "cpu_op", "name": name, "ts": t, "dur": dur, "tid": tid}
+        if dims is not None:
+            e["args"] = {"Input Dims": dims}
+        return e
+
+    def k(name, t, dur, corr):
+        return {**_ev(name, t, dur), "args": {"correlation": corr}}
+
+    trace = {
+        "traceEvents": [
+            op("MulBackward0", 0, 100), op("aten::mul", 10, 20, [[8, 4], []]),
+            op("aten::add", 200, 20, [[8, 4], [8, 4]], tid=2),
+            k("mul_kernel", 50, 30, 1), _launch(1, 15),
+            k("mul_kernel", 90, 10, 2), _launch(2, 15),
+            k("add_kernel", 300, 36, 3), _launch(3, 210, tid=2),
+            k("add_kernel", 400, 20, 4), _launch(4, 500),  # outside every op
+            k("gemm", 500, 90, 5), _launch(5, 12),
+        ]
+    }  # fmt: skip
+    rows = ts.launchers(trace, ["mul_", "add_"], iters=2)
+    assert [(r["kernel"], r["ops"], r["dims"], r["calls_per_iter"]) for r in rows] == [
+        ("mul_kernel", "aten::mul < MulBackward0", "[[8, 4], []]", 1.0),
+        ("add_kernel", "aten::add", "[[8, 4], [8, 4]]", 0.5),
+        ("add_kernel", "(no cpu op)", "", 0.5),
+    ]
+    assert rows[0]["ms_per_iter"] == pytest.approx(0.02)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    ts.main([str(path), "--who", "mul_"])
+    out = capsys.readouterr().out
+    assert "mul_kernel <- aten::mul < MulBackward0 [[8, 4], []]" in out
+    assert "add_kernel <-" not in out
