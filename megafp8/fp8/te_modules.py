@@ -114,8 +114,11 @@ class TELinear(nn.Module):
 class TEFusedMLP(nn.Module):
     """SP off: norm + fc1 + activation + fc2 in one te.LayerNormMLP (the activation's output is
     cast to FP8 inside its kernel). Holds the same shards as ``model.mlp.MLP`` (fc1 rows, fc2
-    columns of this rank), initialized from the same seeds; fc2's bias is added after the TP
-    reduction. Forward: copy into the TP region, fused MLP, all-reduce, + bias."""
+    columns of this rank), initialized from the same seeds. Under TP fc2's bias is added after
+    the TP reduction; without TP there is no reduction before it, so fc2's GEMM adds it in its
+    epilogue (and its backward sums the bias gradient in its cast) instead of a broadcast add
+    and a sum over the tokens of their own. Forward: copy into the TP region, fused MLP,
+    all-reduce, + bias."""
 
     def __init__(self, cfg, *, backend, groups, layer: int, seed: int, fp8: bool, dtype, device):
         super().__init__()
@@ -123,7 +126,7 @@ class TEFusedMLP(nn.Module):
         tp, r = M.world(tg), M.rank_in(tg)
         n = m.ffn // tp
         self.tp_group, self.fp8, self.te = tg, fp8 and backend.fp8, backend.te
-        self.cache = backend.cache
+        self.cache, self.bias_after = backend.cache, tp > 1
         self.inner = backend.te.LayerNormMLP(
             m.hidden_size,
             n,
@@ -132,7 +135,7 @@ class TEFusedMLP(nn.Module):
             normalization=m.normalization,
             zero_centered_gamma=m.apply_layernorm_1p,
             activation="swiglu" if m.swiglu else "gelu",
-            return_bias=True,
+            return_bias=tp > 1,  # tp 1: fc2's bias in its GEMM's epilogue
             params_dtype=dtype,
             device=device or "cuda",
             init_method=lambda w: None,
@@ -186,10 +189,13 @@ class TEFusedMLP(nn.Module):
             self.cache.main_grads(weights)
         x = M.copy_to_tensor_parallel_region(x, self.tp_group)
         if self.fp8:
-            y, bias = self.inner(x, is_first_microbatch=self.cache.first)
+            out = self.inner(x, is_first_microbatch=self.cache.first)
         else:
             with self.te.autocast(enabled=False):
-                y, bias = self.inner(x)
+                out = self.inner(x)
+        if not self.bias_after:  # fc2's bias is in the output already
+            return out
+        y, bias = out
         y = M.reduce_from_tensor_parallel_region(y, self.tp_group)
         return y if bias is None or bias.numel() == 0 else y + bias
 
