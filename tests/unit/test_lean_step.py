@@ -214,3 +214,48 @@ def test_widened_gradients_train_bit_for_bit_as_deepspeeds_widening(zero):
     ref, none = run_distributed(_train, 2, cfg, "unwidened")[0]
     assert len(widened) >= 5 and set(widened) == {torch.float32} and not none
     assert len(lean) == 5 and lean == ref
+
+
+def _train_counted(cfg, bypass: bool):
+    """Train ``cfg`` with ZeRO-1's one-rank reduction bypass on (as installed) or off
+    (DeepSpeed's own reduction); the history, how many gradients went through DeepSpeed's bucket
+    and how many boundaries took the bypass."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+
+    import megafp8.optim.lean_step as L
+    import megafp8.train as T
+
+    calls = {"bucket": 0, "bypass": 0}
+    plain_bucket, plain_alone = Z.reduce_independent_p_g_buckets_and_remove_grads, L.alone
+
+    def bucket(self, *a, **k):
+        calls["bucket"] += 1
+        return plain_bucket(self, *a, **k)
+
+    def alone(zopt):
+        out = bypass and plain_alone(zopt)
+        calls["bypass"] += int(out)
+        return out
+
+    Z.reduce_independent_p_g_buckets_and_remove_grads = bucket
+    L.alone = alone
+    hist = [(r["lm loss"], r["grad norm"]) for r in T.train(cfg)]
+    return hist, calls
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_one_rank_zero1_skips_the_reduction_bit_for_bit(aware):
+    """ZeRO-1 in bf16 on one data-parallel rank, clipping active, with and without the
+    precision-aware step: no gradient goes through DeepSpeed's bucket (its copies and its
+    division by 1), and the five iterations' losses and grad norms are exactly those of
+    DeepSpeed's own reduction. At dp 2 the bypass stands aside."""
+    cfg = _cfg(1, 1, True, clip_grad=0.05, use_precision_aware_optimizer=aware)
+    mine, seen = run_distributed(_train_counted, 1, cfg, True)[0]
+    ref, ref_seen = run_distributed(_train_counted, 1, cfg, False)[0]
+    assert seen == {"bucket": 0, "bypass": 5}
+    assert ref_seen["bucket"] > 0 and ref_seen["bypass"] == 0
+    assert len(mine) == 5 and mine == ref
+    assert all(gn > 0.05 for _, gn in ref)  # every step clipped
+    if not aware:
+        _, two = run_distributed(_train_counted, 2, _cfg(1, 1, True), True)[0]
+        assert two["bypass"] == 0 and two["bucket"] > 0
