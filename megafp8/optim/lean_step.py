@@ -106,7 +106,7 @@ def alone(zopt) -> bool:
         and getattr(zopt, "autoep_folding_tp_group", None) is None
         and getattr(zopt, "sequence_parallel_size", 1) == 1
         and getattr(zopt, "gradient_predivide_factor", 1.0) == 1.0
-        and zopt.gradient_accumulation_dtype == zopt.dtype
+        and getattr(zopt, "gradient_accumulation_dtype", zopt.dtype) == zopt.dtype
         and all(dist.get_world_size(group=g) == 1 for g in groups)
     )
 
