@@ -126,7 +126,7 @@ class TEFusedMLP(nn.Module):
         tp, r = M.world(tg), M.rank_in(tg)
         n = m.ffn // tp
         self.tp_group, self.fp8, self.te = tg, fp8 and backend.fp8, backend.te
-        self.cache, self.bias_after = backend.cache, tp > 1
+        self.cache = backend.cache
         self.inner = backend.te.LayerNormMLP(
             m.hidden_size,
             n,
@@ -193,7 +193,7 @@ class TEFusedMLP(nn.Module):
         else:
             with self.te.autocast(enabled=False):
                 out = self.inner(x)
-        if not self.bias_after:  # fc2's bias is in the output already
+        if not self.inner.return_bias:  # fc2's bias is in the output already
             return out
         y, bias = out
         y = M.reduce_from_tensor_parallel_region(y, self.tp_group)
