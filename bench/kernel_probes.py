@@ -3,8 +3,10 @@
 side-by-side profiles differ, each timed with CUDA events (mean ms per call after 3 warm-ups).
 
 - ``rope``: the grouped QKV output [8192, 1, 8, 6 x 128] to q, k, v with RoPE on q and k,
-  forward and backward: TE's fused QKV-split RoPE (the te backend's ``split_qkv``) against a
-  split, the grouped-query q copy and TE's RoPE on q and on k (Megatron-LM's way).
+  forward and backward: megafp8's Triton kernels (the te backend's ``split_qkv``), TE's fused
+  QKV-split RoPE, and a split, the grouped-query q copy and TE's RoPE on q and on k
+  (Megatron-LM's way); besides the wall time per call, the GPU time of the kernels alone
+  (``torch.profiler``: a loop of small launches can be bound by the host).
 - ``embedding``: the word embedding's gradient over 8 micro-batches of 8192 tokens (vocab
   128256 x 4096): autograd's dense per-micro-batch gradient added into ``.grad`` against
   megafp8's rows added into ``.grad`` in place (``parallel/grad_in_place.py``) and against
@@ -48,6 +50,20 @@ def timed(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def kernel_ms(fn, reps: int = 20) -> float:
+    """GPU time of the kernels ``fn`` launches, ms per call (the profiler's device time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+
+
 def rope() -> dict:
     from transformer_engine.pytorch.attention.rope import (
         apply_fused_qkv_rotary_pos_emb,
@@ -56,6 +72,7 @@ def rope() -> dict:
     from transformer_engine.pytorch.utils import SplitAlongDim
 
     from megafp8.fp8.plain_ops import rope_angles
+    from megafp8.fp8.qkv_rope import split_qkv_rope
 
     freqs = rope_angles(S, HD, 500000.0, "cuda")
     qkv = torch.randn(S, 1, GROUPS, (HPG + 2) * HD, device="cuda", dtype=torch.bfloat16)
@@ -63,11 +80,16 @@ def rope() -> dict:
     grads = [torch.randn(S, 1, n, HD, device="cuda", dtype=torch.bfloat16)
              for n in (GROUPS * HPG, GROUPS, GROUPS)]  # fmt: skip
 
+    def backward(outs):  # the gradient of qkv, not accumulated into .grad
+        torch.autograd.grad([t.reshape(S, 1, -1, HD) for t in outs], qkv, grads)
+
+    def triton():
+        backward(split_qkv_rope(qkv, freqs, HPG))
+
     def fused():
-        q, k, v = apply_fused_qkv_rotary_pos_emb(
+        backward(apply_fused_qkv_rotary_pos_emb(
             qkv, freqs, freqs, [HPG * HD, HD, HD], tensor_format="sbhd"
-        )
-        torch.autograd.backward([t.reshape(S, 1, -1, HD) for t in (q, k, v)], grads)
+        ))  # fmt: skip
 
     def split_then_rope():
         q, k, v = SplitAlongDim.apply(qkv.view(S, 1, GROUPS, HPG + 2, HD), 3, [HPG, 1, 1])
@@ -75,9 +97,14 @@ def rope() -> dict:
             q.reshape(S, 1, GROUPS * HPG, HD), freqs, tensor_format="sbhd", fused=True
         )
         k = apply_rotary_pos_emb(k.squeeze(3), freqs, tensor_format="sbhd", fused=True)
-        torch.autograd.backward([q, k, v.squeeze(3)], grads)
+        backward([q, k, v.squeeze(3)])
 
-    return {"fused_qkv_rope_ms": timed(fused), "split_and_two_ropes_ms": timed(split_then_rope)}
+    out = {}
+    for name, fn in (("triton_qkv_rope", triton), ("te_fused_qkv_rope", fused),
+                     ("split_and_two_ropes", split_then_rope)):  # fmt: skip
+        out[name + "_ms"] = timed(fn)
+        out[name + "_kernels_ms"] = kernel_ms(fn)
+    return out
 
 
 def embedding() -> dict:

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from megafp8.fp8 import qkv_rope
 from megafp8.fp8.backend import Backend
 from megafp8.fp8.overflow_guard import layer_name
 from megafp8.fp8.plain_ops import SdpaAttention, apply_rope, rope_angles
@@ -189,8 +190,9 @@ class TEBackend(Backend):
         return apply_rotary_pos_emb(x, freqs, tensor_format="sbhd", fused=True)
 
     def split_qkv(self, qkv, heads_per_group, rope=None):
-        """With RoPE: one TE kernel splits the grouped QKV output and rotates q and k, writing q
-        with its heads adjacent (no separate copy, no fp32 intermediates). Without: TE's
+        """With RoPE: one Triton kernel splits the grouped QKV output and rotates q and k
+        (``fp8/qkv_rope.py``; TE's fused QKV-split RoPE where Triton is missing), writing q with
+        its heads adjacent (no separate copy, no fp32 intermediates). Without: TE's
         SplitAlongDim, whose backward finds the three gradients already side by side in one
         buffer (TE's attention writes dq, dk, dv into one dqkv for the interleaved layout) and
         returns that buffer, where torch's split / unbind would copy them into a new one."""
@@ -203,13 +205,15 @@ class TEBackend(Backend):
             q, k, v = SplitAlongDim.apply(parts, 3, [heads_per_group, 1, 1])
             # q a view when hpg == 1; grouped-query q is a copy (see Backend.split_qkv)
             return q.reshape(s, b, g * heads_per_group, hd), k.squeeze(3), v.squeeze(3)
-        if rope[0].shape[1] > 1:  # per-sample positions (documents): torch's split and RoPE
+        (freqs,) = rope
+        if qkv_rope.available(qkv):  # shared or per-sample (documents) angle rows
+            return qkv_rope.split_qkv_rope(qkv, freqs, heads_per_group)
+        if freqs.shape[1] > 1:  # per-sample positions: torch's split and RoPE
             return Backend.split_qkv(self, qkv, heads_per_group, rope)
         from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
         s, b = qkv.shape[:2]
         hd = qkv.shape[3] // (heads_per_group + 2)
-        (freqs,) = rope
         split = [heads_per_group * hd, hd, hd]
         q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, tensor_format="sbhd")
         return tuple(t.reshape(s, b, -1, hd) for t in (q, k, v))

@@ -185,28 +185,40 @@ def test_te_weight_cache_reuses_the_cast_within_an_iteration():
 
 
 @cuda
+@pytest.mark.parametrize("kernel", ["triton", "te"])
+@pytest.mark.parametrize("hd", [64, 96])
 @pytest.mark.parametrize("docs", [False, True], ids=["positions", "documents"])
 @pytest.mark.parametrize("hpg", [1, 4])
-def test_te_fused_qkv_rope_equals_the_torch_path(hpg, docs):
-    """The te backend splits the grouped QKV output and applies RoPE in one TE kernel; the plain
-    backend splits with views and rotates in fp32 torch ops. Both compute x cos + rot(x) sin in
-    fp32 from the same angles and round once to bf16, so they differ only where their fp32 sin
-    and cos (~1e-7 relative apart) put a value on the other side of a bf16 rounding boundary: at
-    most one bf16 ulp (2^-8 relative) per element, plus ~1e-6 of the input scale where the two
-    products cancel. Gradients: TE's backward rotates in fp32 and rounds once; the torch path's
-    autograd rounds each of g cos and rot(g) sin to bf16 (the backward of ``.float()``) before
-    adding them, so it is off by up to two half-ulps of a term bounded by max|dy|:
-    2 x 2^-9 x 2^ceil(log2 max|dy|), on top of one rounding (2^-7 relative). ``documents``: one
-    sample whose positions restart after each EOD (``--reset-position-ids``), the tables
-    gathered per position, which TE's kernel reads row by row."""
+def test_te_fused_qkv_rope_equals_the_torch_path(hpg, docs, hd, kernel, monkeypatch):
+    """The te backend splits the grouped QKV output and applies RoPE in one kernel (ours in
+    Triton, or TE's where Triton is missing); the plain backend splits with views and rotates in
+    fp32 torch ops. Both compute x cos + rot(x) sin in fp32 from the same angles and round once
+    to bf16, so they differ only where their fp32 sin and cos (~1e-7 relative apart) put a value
+    on the other side of a bf16 rounding boundary: at most one bf16 ulp (2^-8 relative) per
+    element, plus ~1e-6 of the input scale where the two products cancel. Gradients: the fused
+    backward rotates in fp32 and rounds once; the torch path's autograd rounds each of g cos and
+    rot(g) sin to bf16 (the backward of ``.float()``) before adding them, so it is off by up to
+    two half-ulps of a term bounded by max|dy|: 2 x 2^-9 x 2^ceil(log2 max|dy|), on top of one
+    rounding (2^-7 relative). ``documents``: one sample whose positions restart after each EOD
+    (``--reset-position-ids``), the tables gathered per position (TE's kernel takes one row per
+    position, so that case is the torch path when Triton is missing). Head dim 96: halves of 48
+    columns, padded to 64 in the Triton kernel."""
     _te()
+    pytest.importorskip("triton")
     from megafp8.config import Fp8Config
+    from megafp8.fp8 import qkv_rope
     from megafp8.fp8.backend import Backend, build_backend
     from megafp8.model.documents import document_positions, gather_tables
     from megafp8.parallel.mappings import SOLO
 
+    launched = []
+    if kernel == "te":
+        monkeypatch.setattr(qkv_rope, "available", lambda qkv: False)
+    else:
+        run = qkv_rope.split_qkv_rope
+        monkeypatch.setattr(qkv_rope, "split_qkv_rope", lambda *a: launched.append(1) or run(*a))
     te_be = build_backend(Fp8Config(fp8_backend="te"), amax_group=SOLO, tp_group=SOLO)
-    s, b, g, hd = 128, 1 if docs else 2, 2, 64
+    s, b, g = 128, 1 if docs else 2, 2
     torch.manual_seed(0)
     x = torch.randn(s, b, g, (hpg + 2) * hd, device="cuda", dtype=torch.bfloat16)
     dy = [torch.randn(s, b, n, hd, device="cuda", dtype=torch.bfloat16) for n in (g * hpg, g, g)]
@@ -218,11 +230,12 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg, docs):
         tables = be.rope_tables(s, hd, 500000.0, "cuda")
         q, k, v = be.split_qkv(xi, hpg, gather_tables(tables, pos) if docs else tables)
         sum((t.float() * d.float()).sum() for t, d in zip((q, k, v), dy, strict=True)).backward()
-        outs.append((q, k, v))
+        outs.append([t.detach() for t in (q, k, v)])
         grads.append(xi.grad)
+    assert len(launched) == (kernel == "triton")
     scale = float(x.abs().max())
     for name, got, ref in zip("qkv", outs[0], outs[1], strict=True):
-        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        assert got.shape == ref.shape and got.is_contiguous(), (name, got.shape, ref.shape)
         d = (got.float() - ref.float()).abs()
         worst = float((d / (ref.float().abs() * 2**-7 + 1e-5 * scale)).max())
         assert worst <= 1.0, (name, float(d.max()), worst, _where(d))
