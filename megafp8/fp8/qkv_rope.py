@@ -1,4 +1,4 @@
-"""The grouped QKV output split into q, k, v with RoPE on q and k: one Triton kernel, both ways.
+"""The grouped QKV output split into q, k, v with RoPE on q and k: one Triton kernel each way.
 
 The te backend's attention takes q [s, b, g * hpg, hd], k and v [s, b, g, hd], each contiguous,
 from the QKV output [s, b, g, (hpg + 2) * hd] (per group: hpg query heads, one key, one value).
@@ -26,6 +26,13 @@ if _HAVE_TRITON:
     from triton.language.extra import libdevice
 
     @triton.jit
+    def _tables(ang_ptr, t, div, c, HALF: tl.constexpr, cmask):
+        row = ang_ptr + (t // div) * (2 * HALF)
+        a1 = tl.load(row + c, mask=cmask, other=0.0)
+        a2 = tl.load(row + HALF + c, mask=cmask, other=0.0)
+        return libdevice.cos(a1), libdevice.sin(a1), libdevice.cos(a2), libdevice.sin(a2)
+
+    @triton.jit
     def _load(rows, c, HALF: tl.constexpr, mask):
         x1 = tl.load(rows[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(rows[:, None] + HALF + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -37,24 +44,61 @@ if _HAVE_TRITON:
         tl.store(rows[:, None] + HALF + c[None, :], y2, mask=mask)
 
     @triton.jit
-    def _kernel(
-        packed_ptr,
+    def _forward_kernel(
+        qkv_ptr,
+        ang_ptr,
         q_ptr,
         k_ptr,
         v_ptr,
-        ang_ptr,
         div,
         G,
-        BACKWARD: tl.constexpr,
         HPG: tl.constexpr,
         HALF: tl.constexpr,
         HALF_P: tl.constexpr,
         ROWS: tl.constexpr,
         HP: tl.constexpr,
     ):
-        """One token: forward reads its packed QKV row and writes q, k, v; backward reads dq,
-        dk, dv and writes the packed gradient. Rows: group g, head h within the group (hpg
-        queries, the key, the value), padded to ROWS = pow2(G) x HP."""
+        t = tl.program_id(0).to(tl.int64)
+        hd: tl.constexpr = 2 * HALF
+        r = tl.arange(0, ROWS)
+        g, h = r // HP, r % HP  # group, head within the group (hpg queries, key, value)
+        c = tl.arange(0, HALF_P)
+        cmask = c < HALF
+        ok = (g < G) & (h < HPG + 2)
+        if HALF_P == HALF:
+            m = ok[:, None]  # rows only: the columns stay contiguous for vector access
+        else:
+            m = ok[:, None] & cmask[None, :]
+        src = qkv_ptr + t * G * (HPG + 2) * hd + (g * (HPG + 2) + h) * hd
+        x1, x2 = _load(src, c, HALF, m)
+        cos1, sin1, cos2, sin2 = _tables(ang_ptr, t, div, c, HALF, cmask)
+        rot = (h < HPG + 1)[:, None]
+        y1 = tl.where(rot, x1 * cos1[None, :] - x2 * sin1[None, :], x1)
+        y2 = tl.where(rot, x2 * cos2[None, :] + x1 * sin2[None, :], x2)
+        # three stores, each whole rows masked, so that each keeps its vectorized addresses
+        qd = q_ptr + t * G * HPG * hd + (g * HPG + h) * hd
+        kd = k_ptr + t * G * hd + g * hd
+        vd = v_ptr + t * G * hd + g * hd
+        y1, y2 = y1.to(q_ptr.dtype.element_ty), y2.to(q_ptr.dtype.element_ty)
+        _store(qd, c, HALF, y1, y2, m & (h < HPG)[:, None])
+        _store(kd, c, HALF, y1, y2, m & (h == HPG)[:, None])
+        _store(vd, c, HALF, y1, y2, m & (h == HPG + 1)[:, None])
+
+    @triton.jit
+    def _backward_kernel(
+        dq_ptr,
+        dk_ptr,
+        dv_ptr,
+        ang_ptr,
+        dqkv_ptr,
+        div,
+        G,
+        HPG: tl.constexpr,
+        HALF: tl.constexpr,
+        HALF_P: tl.constexpr,
+        ROWS: tl.constexpr,
+        HP: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         hd: tl.constexpr = 2 * HALF
         r = tl.arange(0, ROWS)
@@ -66,37 +110,21 @@ if _HAVE_TRITON:
             m = ok[:, None]  # rows only: the columns stay contiguous for vector access
         else:
             m = ok[:, None] & cmask[None, :]
-        packed = packed_ptr + t * G * (HPG + 2) * hd + (g * (HPG + 2) + h) * hd
-        qr = q_ptr + t * G * HPG * hd + (g * HPG + h) * hd
-        kr = k_ptr + t * G * hd + g * hd
-        vr = v_ptr + t * G * hd + g * hd
-        # q, k and v each with whole rows masked, so that each keeps its vectorized addresses
-        mq, mk, mv = m & (h < HPG)[:, None], m & (h == HPG)[:, None], m & (h == HPG + 1)[:, None]
-        if BACKWARD:
-            q1, q2 = _load(qr, c, HALF, mq)  # each row is in one of the three
-            k1, k2 = _load(kr, c, HALF, mk)
-            v1, v2 = _load(vr, c, HALF, mv)
-            x1, x2 = q1 + k1 + v1, q2 + k2 + v2
-        else:
-            x1, x2 = _load(packed, c, HALF, m)
-        row = ang_ptr + (t // div) * hd
-        a1 = tl.load(row + c, mask=cmask, other=0.0)
-        a2 = tl.load(row + HALF + c, mask=cmask, other=0.0)
-        cos1, cos2 = libdevice.cos(a1)[None, :], libdevice.cos(a2)[None, :]
-        if BACKWARD:  # the transpose: (dy1 cos1 + dy2 sin2, dy2 cos2 - dy1 sin1)
-            sin1, sin2 = -libdevice.sin(a2)[None, :], -libdevice.sin(a1)[None, :]
-        else:  # (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2)
-            sin1, sin2 = libdevice.sin(a1)[None, :], libdevice.sin(a2)[None, :]
-        rot = (h < HPG + 1)[:, None]  # queries and the key rotate, the value passes
-        ty = packed_ptr.dtype.element_ty
-        y1 = tl.where(rot, x1 * cos1 - x2 * sin1, x1).to(ty)
-        y2 = tl.where(rot, x2 * cos2 + x1 * sin2, x2).to(ty)
-        if BACKWARD:
-            _store(packed, c, HALF, y1, y2, m)
-        else:
-            _store(qr, c, HALF, y1, y2, mq)
-            _store(kr, c, HALF, y1, y2, mk)
-            _store(vr, c, HALF, y1, y2, mv)
+        qs = dq_ptr + t * G * HPG * hd + (g * HPG + h) * hd
+        ks = dk_ptr + t * G * hd + g * hd
+        vs = dv_ptr + t * G * hd + g * hd
+        # three loads, each whole rows masked (vectorized addresses), summed
+        q1, q2 = _load(qs, c, HALF, m & (h < HPG)[:, None])
+        k1, k2 = _load(ks, c, HALF, m & (h == HPG)[:, None])
+        v1, v2 = _load(vs, c, HALF, m & (h == HPG + 1)[:, None])
+        d1, d2 = q1 + k1 + v1, q2 + k2 + v2
+        cos1, sin1, cos2, sin2 = _tables(ang_ptr, t, div, c, HALF, cmask)
+        rot = (h < HPG + 1)[:, None]
+        x1 = tl.where(rot, d1 * cos1[None, :] + d2 * sin2[None, :], d1)
+        x2 = tl.where(rot, d2 * cos2[None, :] - d1 * sin1[None, :], d2)
+        dst = dqkv_ptr + t * G * (HPG + 2) * hd + (g * (HPG + 2) + h) * hd
+        tl.store(dst[:, None] + c[None, :], x1.to(dqkv_ptr.dtype.element_ty), mask=m)
+        tl.store(dst[:, None] + HALF + c[None, :], x2.to(dqkv_ptr.dtype.element_ty), mask=m)
 
 
 def available(qkv: torch.Tensor) -> bool:
@@ -124,7 +152,7 @@ class _SplitQKVRope(torch.autograd.Function):
         q = qkv.new_empty(s, b, g * hpg, hd)
         k, v = qkv.new_empty(s, b, g, hd), qkv.new_empty(s, b, g, hd)
         div = b if angles.shape[1] == 1 else 1  # shared rows, or one row per token
-        _kernel[(s * b,)](qkv, q, k, v, angles, div, g, False, **_launch_args(g, hpg, hd))
+        _forward_kernel[(s * b,)](qkv, angles, q, k, v, div, g, **_launch_args(g, hpg, hd))
         ctx.save_for_backward(angles)
         ctx.shape, ctx.hpg, ctx.div = qkv.shape, hpg, div
         return q, k, v
@@ -141,7 +169,7 @@ class _SplitQKVRope(torch.autograd.Function):
             for t, n in ((dq, g * hpg), (dk, g), (dv, g))
         )  # fmt: skip
         dqkv = like.new_empty(ctx.shape)
-        _kernel[(s * b,)](dqkv, dq, dk, dv, angles, ctx.div, g, True, **_launch_args(g, hpg, hd))
+        _backward_kernel[(s * b,)](dq, dk, dv, angles, dqkv, ctx.div, g, **_launch_args(g, hpg, hd))
         return dqkv, None, None
 
 

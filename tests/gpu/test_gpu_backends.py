@@ -235,7 +235,8 @@ def test_te_fused_qkv_rope_equals_the_torch_path(hpg, docs, hd, kernel, monkeypa
     assert len(launched) == (kernel == "triton")
     scale = float(x.abs().max())
     for name, got, ref in zip("qkv", outs[0], outs[1], strict=True):
-        assert got.shape == ref.shape and got.is_contiguous(), (name, got.shape, ref.shape)
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        assert got.is_contiguous() or kernel == "te"  # the torch path's v is a view
         d = (got.float() - ref.float()).abs()
         worst = float((d / (ref.float().abs() * 2**-7 + 1e-5 * scale)).max())
         assert worst <= 1.0, (name, float(d.max()), worst, _where(d))
