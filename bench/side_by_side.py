@@ -8,7 +8,8 @@ peer, ...) so drift of the machine hits both. From each run's console lines: the
 time per iteration (ms)" over the iterations after ``--skip`` (warm-up, first-iteration
 compilation), tokens/s = global batch x seq / that time, and the peak memory each reports (ours:
 "peak memory (GB)", GiB of torch's max allocated; the peer: "max allocated" MB of its memory
-line). Then the ratio ours / peer in tokens/s.
+line). Then the ratio ours / peer in tokens/s, and where one shape ran in both precisions
+each stack's FP8/BF16 (tokens/s).
 
     python bench/side_by_side.py --shapes llama8b-16 --precisions fp8 bf16
     python bench/side_by_side.py --shapes llama8b-16 --precisions fp8 \\
@@ -173,6 +174,8 @@ def main() -> int:
                     rows.append(dict(shape=shape, precision=prec, stack=who, round=r, **res))
                     print(json.dumps(rows[-1]), flush=True)
     _table(rows, a)
+    for line in fp8_over_bf16(rows):
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"extra": a.extra, "ours_extra": a.ours_extra, "rows": rows}, f, indent=1)
@@ -180,6 +183,22 @@ def main() -> int:
         print(f"error: {problem}: the ratio compares different models", file=sys.stderr)
         return 1
     return 0
+
+
+def fp8_over_bf16(rows: list[dict]) -> list[str]:
+    """Each stack's FP8 speed-up over its own BF16 on a shape (tokens/s, the mean over rounds),
+    where both precisions ran: the figure the 1.5x goal of the 7B shape is about."""
+    tps: dict = {}
+    for r in rows:
+        if "tokens_per_s" in r:
+            tps.setdefault((r["shape"], r["stack"], r["precision"]), []).append(r["tokens_per_s"])
+    out = []
+    for shape, stack in dict.fromkeys((k[0], k[1]) for k in tps):
+        fp8, bf16 = tps.get((shape, stack, "fp8")), tps.get((shape, stack, "bf16"))
+        if fp8 and bf16:
+            ratio = (sum(fp8) / len(fp8)) / (sum(bf16) / len(bf16))
+            out.append(f"{stack} {shape}: FP8/BF16 {ratio:.3f}x (tokens/s)")
+    return out
 
 
 def unequal_models(rows: list[dict]) -> list[str]:

@@ -79,3 +79,21 @@ def test_ours_prints_megatrons_model_lines(capsys):
     assert " > padded vocab (size: 256) with 0 dummy tokens (new size: 256)" in text
     want = v * h + pos * h + layers * (12 * h * h + 13 * h) + 2 * h
     assert sbs.parse(text, 0, False)["params"] == want
+
+
+def test_fp8_over_bf16_per_stack_and_shape():
+    """Each stack's FP8/BF16 from its own rows, rounds averaged; a shape or stack that lacks one
+    precision (or whose run failed) gets no line."""
+    rows = [
+        dict(shape="gpt7b", precision="fp8", stack="megafp8", tokens_per_s=76000.0),
+        dict(shape="gpt7b", precision="fp8", stack="megafp8", tokens_per_s=74000.0),
+        dict(shape="gpt7b", precision="fp8", stack="megatron-lm", tokens_per_s=64000.0),
+        dict(shape="gpt7b", precision="bf16", stack="megafp8", tokens_per_s=50000.0),
+        dict(shape="gpt7b", precision="bf16", stack="megatron-lm", tokens_per_s=40000.0),
+        dict(shape="llama8b-16", precision="fp8", stack="megafp8", tokens_per_s=29000.0),
+        dict(shape="llama8b-16", precision="bf16", stack="megafp8", oom=True),
+    ]
+    assert sbs.fp8_over_bf16(rows) == [
+        "megafp8 gpt7b: FP8/BF16 1.500x (tokens/s)",
+        "megatron-lm gpt7b: FP8/BF16 1.600x (tokens/s)",
+    ]
