@@ -98,18 +98,45 @@ def format_line(it: int, total: int, values: dict) -> str:
 
 
 class Timer:
+    """Wall time of an interval of iterations. ``start(sync=True)`` waits for the GPU first (the
+    loop's first start, after the build). Otherwise it does not: the loop reads every iteration's
+    loss (and grad norm) before it asks, and those reads already wait for the GPU up to the
+    point where the iteration's numbers exist (``HostScalar``). An interval measured between
+    such points has the GPU's period in the steady state, and the optimizer update queued after
+    them runs while the host starts the next iteration."""
+
     def __init__(self):
         self.t0 = None
 
-    def start(self):
-        if torch.cuda.is_available():
+    def start(self, sync: bool = False):
+        if sync and torch.cuda.is_available():
             torch.cuda.synchronize()
         self.t0 = time.perf_counter()
 
     def elapsed(self) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         return time.perf_counter() - self.t0
+
+
+class HostScalar:
+    """The value of a 0-d tensor as it is when this is made: on a GPU, copied into pinned host
+    memory on the current stream with an event after it, so ``float()`` waits only for the work
+    queued before it (not for what is queued later, such as the optimizer's update). On the CPU
+    the value itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.device.type == "cuda":
+            self.value = torch.empty((), dtype=t.dtype, pin_memory=True)
+            self.value.copy_(t.detach().reshape(()), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value = t.detach().clone()
+
+    def __float__(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.value)
 
 
 class TensorBoard:

@@ -144,10 +144,12 @@ class Signals:
         signal is the reason, ``stopped_on_signal()`` turns True on every rank."""
         global _stopped_on_signal
         code = _STOP_SIGNAL if self.hit else _STOP_LOCAL if local else 0.0
-        flag = torch.tensor(code, device=device)
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor(code, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        got = flag.item()
+            got = flag.item()  # a wait for the GPU's queue (the optimizer update) on GPU ranks
+        else:  # one process: nothing to agree on, and no wait for the GPU
+            got = code
         _stopped_on_signal = _stopped_on_signal or got == _STOP_SIGNAL
         return got > 0
 

@@ -131,7 +131,7 @@ def train(cfg: Config, run: Run | None = None) -> list[dict]:
     timer = metrics.Timer()
     hooks = RunHooks(cfg, run.groups.rank)
     try:  # a raise in the loop still unfreezes the collector, re-enables it, closes the trace
-        timer.start()
+        timer.start(sync=True)
         first = True  # this process's first iteration gets a line of its own, as in Megatron-LM
         while run.iteration < t.train_iters:
             hooks.before_step(run.iteration + 1)

@@ -48,7 +48,8 @@ update is ``adamw_bf16.step``. It reads the group's bf16 gradients where they li
 bf16 partition in the same pass, so neither the fp32 gradient partition nor the fp32 -> bf16
 copy of the weights is made (40 -> 28 bytes moved per parameter). The gradients are freed after
 the update instead of before it (DeepSpeed frees them once it holds the fp32 copy): the same
-peak, less the fp32 copy.
+peak, less the fp32 copy. Its gradient norm goes to the host (``early_grad_norm``, a
+``HostScalar``) before the update is queued, so the loop reads it without waiting for the update.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ import functools
 import math
 
 import torch
+
+from megafp8.metrics import HostScalar
 
 
 def install(optimizer, bf16_step: bool = False) -> bool:
@@ -178,6 +181,8 @@ def step(zopt, fallback, closure=None):
     prev_scale = zopt.loss_scale
     zopt._update_scale(False)
     zopt._global_grad_norm = None if norm is None else norm / prev_scale
+    if torch.is_tensor(zopt._global_grad_norm):  # to the host before the update is queued
+        zopt.early_grad_norm = (zopt._global_grad_norm, HostScalar(zopt._global_grad_norm))
     guard = _fused_guard(zopt)
     for i in range(len(zopt.bit16_groups)):
         partition_id = dist.get_rank(group=zopt.real_dp_process_group[i])

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from megafp8.metrics import HostScalar
 from megafp8.parallel.pipeline import p2p
 
 FORWARD_ROLES, BACKWARD_ROLES = ("x", "w"), ("g",)
@@ -113,31 +114,49 @@ def no_pipelining(run, train_iter, hooks=None) -> tuple[float, float | None]:
         loss = dp_mean(total / n_total, run.groups, True) * run.groups.dp
     else:
         loss = dp_mean(total / gas, run.groups, True)
-    gn = boundary_step(run, loss, hooks)
-    return float(loss), gn
+    return boundary_step(run, loss, hooks)
 
 
-def boundary_step(run, loss: float | torch.Tensor, hooks=None) -> float | None:
+def boundary_step(run, loss: float | torch.Tensor, hooks=None) -> tuple[float, float | None]:
     """The accumulation boundary's ``engine.step()`` (the optimizer update), once ``loss`` (the
     same on every rank; a float, or a 0-d tensor read only after the step is launched where the
     policy can judge it on the device) is known: ``run.policy`` (where there is one) decides
-    before it whether the update happens and reads the gradient norm after it. Returns the
-    grad norm."""
+    before it whether the update happens and reads the gradient norm after it. Returns (loss,
+    grad norm) as floats.
+
+    A tensor loss goes to the host ahead of the step's kernels (``HostScalar``), and so does the
+    norm where the step makes it before its update (``lean_step.step``): reading both then
+    waits for the last backward and the norm, not for the update, and the host goes on to the
+    next iteration's launches while the GPU runs the update (the first micro-batch's forward
+    no longer starts on an idle GPU)."""
     policy = getattr(run, "policy", None)
     if torch.is_tensor(loss) and (policy is None or not policy.on_device()):
         loss = float(loss)
     if policy is not None:
         policy.before_step(loss)
+    early_loss = HostScalar(loss) if torch.is_tensor(loss) else None
     run.backend.release_main_grads()  # fused wgrad accumulation: .grad is DeepSpeed's alone
     with record_function("megafp8.step"):
         run.engine.step()
-    gn = run.engine.get_global_grad_norm()
-    gn = float(gn) if gn is not None else None
+    gn = _grad_norm(run.engine)
+    loss = float(early_loss) if early_loss is not None else loss
     if policy is not None:
-        policy.after_step(float(loss), gn)
+        policy.after_step(loss, gn)
     if hooks is not None:
         hooks.after_microbatch()
-    return gn
+    return loss, gn
+
+
+def _grad_norm(engine) -> float | None:
+    """The step's gradient norm as a float: the copy the step sent to the host before its
+    update when there is one for this very norm, else the engine's own (a wait for the GPU)."""
+    gn = engine.get_global_grad_norm()
+    early = getattr(getattr(engine, "optimizer", None), "early_grad_norm", None)
+    if early is not None:
+        engine.optimizer.early_grad_norm = None
+        if early[0] is gn:
+            return float(early[1])
+    return float(gn) if gn is not None else None
 
 
 def activation_shape(cfg, tp: int) -> tuple[int, int, int]:
@@ -220,7 +239,7 @@ def finish_iteration(
     """After the last backward: the loss on every rank, the boundary step, then the updated tied
     embedding to the last stage's copy. (loss, grad norm), the same on every rank."""
     loss = pipeline_loss(run, last, total, n_total, m)
-    gn = boundary_step(run, loss, hooks)
+    loss, gn = boundary_step(run, loss, hooks)
     if _tied(run):
         _share_tied_weight(run, tied_model)
     return loss, gn
