@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megafp8.metrics import HostScalar, Timer
+from megafp8.metrics import HostScalar
 from megafp8.parallel.pipeline.schedules import _grad_norm
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import tiny_config
@@ -36,14 +36,6 @@ def test_grad_norm_takes_the_early_copy_of_this_norm_only():
     assert _grad_norm(_engine(norm, (other, HostScalar(other)))) == 3.0
     assert _grad_norm(_engine(None, None)) is None
     assert _grad_norm(types.SimpleNamespace(get_global_grad_norm=lambda: 1.5)) == 1.5
-
-
-def test_timer_measures_without_a_device_wait_unless_asked():
-    timer = Timer()
-    timer.start(sync=True)
-    a = timer.elapsed()
-    b = timer.elapsed()
-    assert 0.0 <= a <= b
 
 
 def _lean_step_norms(cfg):
