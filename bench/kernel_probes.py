@@ -18,6 +18,9 @@ side-by-side profiles differ, each timed with CUDA events (mean ms per call afte
   writing the bf16 weights: the ZeRO 1/2 step's way before ``adamw_bf16`` (the gradients
   widened into one fp32 buffer by a multi-tensor copy, torch's fused AdamW, the fp32 -> bf16
   copy) against ``adamw_bf16.step`` (one kernel per gradient tensor, 28 bytes per parameter).
+- ``dswiglu``: the gradient of fc1's output in te.LayerNormMLP's FP8 backward (fc2's dgrad
+  [8192, 14336], fc1's output [8192, 28672]): TE's ``dswiglu`` then ``bgrad_quantize`` against
+  megafp8's one kernel (``fp8/dswiglu.py``), the bytes compared, and the kernel's tile sizes.
 
     python bench/kernel_probes.py --json probes.json
 """
@@ -189,7 +192,52 @@ def adamw() -> dict:
     return out
 
 
-PROBES = {"rope": rope, "embedding": embedding, "output": output, "adamw": adamw}
+def dswiglu() -> dict:
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    from megafp8.fp8 import dswiglu as dsw
+
+    m, n = S, 14336  # Llama-3-8B: fc2's dgrad [8192, 14336], fc1's output [8192, 28672]
+    g = (torch.randn(m, n, device="cuda") * 1e-4).bfloat16()
+    x = (torch.randn(m, 2 * n, device="cuda") * 2).bfloat16()
+
+    def quantizer():
+        scale = torch.full((1,), 2.0**15, device="cuda")
+        return Float8Quantizer(scale, torch.zeros(1, device="cuda"), tex.DType.kFloat8E5M2)
+
+    qt, qo = quantizer(), quantizer()
+
+    def te_two_kernels():
+        return tex.bgrad_quantize(tex.dswiglu(g, x, None), qt)
+
+    def ours():
+        return dsw.dswiglu_quantize(g, x, qo)
+
+    (bt, t), (bo, o) = te_two_kernels(), ours()
+    out = {
+        "rowwise_bytes_differing": int((t._data != o._data).sum()),
+        "columnwise_bytes_differing": int((t._transpose != o._transpose).sum()),
+        "amax_equal": bool(torch.equal(qt.amax, qo.amax)),
+        "scale_inv_equal": bool(torch.equal(t._scale_inv, o._scale_inv)),
+        "dbias_max_abs_diff": float((bt.float() - bo.float()).abs().max()),
+    }
+    for name, fn in (("te_dswiglu_bgrad_quantize", te_two_kernels), ("triton_fused", ours)):
+        out[name + "_ms"] = timed(fn)
+        out[name + "_kernels_ms"] = kernel_ms(fn)
+    for bm, bn, w in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 2)):
+        dsw._BM, dsw._BN, dsw._WARPS = bm, bn, w
+        out[f"triton_fused_{bm}x{bn}_w{w}_kernels_ms"] = kernel_ms(ours)
+    return out
+
+
+PROBES = {
+    "rope": rope,
+    "embedding": embedding,
+    "output": output,
+    "adamw": adamw,
+    "dswiglu": dswiglu,
+}
 
 
 def main() -> int:

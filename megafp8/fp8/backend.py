@@ -267,6 +267,7 @@ def build_backend(
             amax_group=amax_group,
             fused_norm=f.te_fused_norm,
             fused_mlp=f.te_fused_mlp,
+            fused_dswiglu=f.te_fused_dswiglu,
             attention_backend=attention_backend,
             weight_cache=f.te_weight_cache,
             wgrad_fusion=wgrad_fusion,

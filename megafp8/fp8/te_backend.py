@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from megafp8.fp8 import qkv_rope
+from megafp8.fp8 import dswiglu, qkv_rope
 from megafp8.fp8.backend import Backend
 from megafp8.fp8.overflow_guard import layer_name
 from megafp8.fp8.plain_ops import SdpaAttention, apply_rope, rope_angles
@@ -55,6 +55,7 @@ class TEBackend(Backend):
         amax_group,
         fused_norm: bool = True,
         fused_mlp: bool = False,
+        fused_dswiglu: bool = True,
         attention_backend: str = "auto",
         weight_cache: bool = True,
         wgrad_fusion: bool = False,
@@ -75,6 +76,10 @@ class TEBackend(Backend):
         self.te_recipe = None
         self.fuses_norm = fused_norm
         self.fuses_mlp = fused_norm and fused_mlp
+        # te.LayerNormMLP's SwiGLU backward with its FP8 cast and transpose in one kernel
+        # (fp8/dswiglu.py: TE's bytes; delayed scaling only, elsewhere TE's own kernels)
+        delayed = recipe is not None and recipe.recipe == "delayed"
+        self.fuses_dswiglu = dswiglu.install(self.fuses_mlp and fused_dswiglu and delayed)
         # FP8 weight cache over micro-batches: the weights change only at the optimizer step, so
         # the first micro-batch of an iteration casts them (and their transposes) to FP8 and
         # the others reuse the cast (TE's ``is_first_microbatch``); None (eval) casts every time.

@@ -1,0 +1,242 @@
+"""The SwiGLU backward, its FP8 cast and its transpose in one Triton kernel (te backend, delayed
+scaling).
+
+In te.LayerNormMLP's backward the gradient of fc1's output is made in two passes over memory:
+TE's ``dswiglu`` writes it in bf16 ([tokens, 2 * ffn]), then ``bgrad_quantize`` reads it back and
+writes the FP8 copy fc1's dgrad GEMM reads (row-wise) and the transposed one its wgrad GEMM
+reads (column-wise), with the amax and the bias gradient. At the Llama-3-8B shape (8192 tokens,
+ffn 14336) that bf16 tensor is 470 MB written and read again per layer and micro-batch. Here one
+kernel reads fc2's dgrad and fc1's output once and writes both FP8 copies: the same arithmetic
+in the same order as TE's two kernels (fp32, ``expf``, IEEE division, each gradient rounded to
+the activation dtype before it is scaled), so the FP8 bytes, the amax and ``scale_inv`` are
+TE's (tests/gpu/test_dswiglu_gpu.py compares them byte for byte).
+
+``install(True)`` puts ``dswiglu_quantize`` in TE's table of fused activation backwards for
+delayed scaling (TE has fused ones for gelu, relu and silu there, none for swiglu); any other
+case (another quantizer, a CPU tensor, no Triton) takes TE's own two kernels inside it. Since
+the kernel repeats TE's arithmetic, which another TE version could change, the first call of a
+process runs both ways and compares the bytes; on a difference TE's kernels take over, with a
+warning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import torch
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if _HAVE_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _dswiglu_cast_transpose_kernel(
+        g_ptr,  # [M, N] fc2's dgrad
+        x_ptr,  # [M, 2N] fc1's output: [activation input | gate]
+        out_ptr,  # [M, 2N] FP8, row-wise
+        out_t_ptr,  # [2N, M] FP8, column-wise (transposed)
+        dbias_ptr,  # [cdiv(M, BM), 2N] fp32: column sums of this program's rows
+        scale_ptr,
+        amax_ptr,
+        scale_inv_ptr,
+        M,
+        N,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        ROWWISE: tl.constexpr,
+        COLWISE: tl.constexpr,
+        FMAX: tl.constexpr,
+    ):
+        pm = tl.program_id(0)
+        pn = tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)
+        cols = pn * BN + tl.arange(0, BN)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        rows64 = rows.to(tl.int64)
+        g = tl.load(g_ptr + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        xa = x_ptr + rows64[:, None] * (2 * N) + cols[None, :]
+        a = tl.load(xa, mask=mask, other=0.0)
+        b = tl.load(xa + N, mask=mask, other=0.0)
+        adt = g.dtype
+        g, a, b = g.to(tl.float32), a.to(tl.float32), b.to(tl.float32)
+        # TE's sigmoid, silu and dsilu: s = 1 / (1 + expf(-a)); dsilu = a * s (1 - s) + s (one
+        # fused multiply-add, as nvcc contracts it); d_act = dsilu * g * gate; d_gate = g * silu
+        one = tl.full([BM, BN], 1.0, tl.float32)
+        s = libdevice.div_rn(one, one + libdevice.exp(-a))
+        dsilu = tl.fma(a, s * (one - s), s)
+        da = ((dsilu * g) * b).to(adt).to(tl.float32)
+        db = (g * (a * s)).to(adt).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(da), 1), 0), tl.max(tl.max(tl.abs(db), 1), 0))
+        tl.atomic_max(amax_ptr, amax)
+        scale = tl.load(scale_ptr)
+        f8 = out_ptr.dtype.element_ty
+        # saturate as TE's cast does (to the largest finite value; NaN stays NaN), round to nearest
+        pa = tl.clamp(da * scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        pb = tl.clamp(db * scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        qa = pa.to(f8, fp_downcast_rounding="rtne")
+        qb = pb.to(f8, fp_downcast_rounding="rtne")
+        if ROWWISE:
+            oa = out_ptr + rows64[:, None] * (2 * N) + cols[None, :]
+            tl.store(oa, qa, mask=mask)
+            tl.store(oa + N, qb, mask=mask)
+        if COLWISE:
+            ta = out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None]
+            tb = out_t_ptr + (cols + N).to(tl.int64)[None, :] * M + rows[:, None]
+            tl.store(ta, qa, mask=mask)
+            tl.store(tb, qb, mask=mask)
+        cmask = cols < N
+        drow = dbias_ptr + pm.to(tl.int64) * (2 * N)
+        tl.store(drow + cols, tl.sum(da, 0), mask=cmask)
+        tl.store(drow + N + cols, tl.sum(db, 0), mask=cmask)
+        if (pm == 0) & (pn == 0):  # TE's scale_inv: 1 / scale, correctly rounded
+            zero = tl.zeros([BN], tl.int32)
+            sc = tl.load(scale_ptr + zero)
+            inv = libdevice.div_rn(tl.full([BN], 1.0, tl.float32), sc)
+            tl.store(scale_inv_ptr + zero, inv, mask=tl.arange(0, BN) == 0)
+
+
+_BM, _BN, _WARPS = 64, 64, 4
+
+_installed: dict = {}
+
+
+def available(grad: torch.Tensor, x: torch.Tensor, quantizer) -> bool:
+    """The kernel applies: Triton, CUDA tensors, and ``fits``."""
+    return _HAVE_TRITON and grad.is_cuda and x.is_cuda and fits(grad, x, quantizer)
+
+
+def fits(grad: torch.Tensor, x: torch.Tensor, quantizer) -> bool:
+    """One 16-bit float dtype, fc1's output twice fc2's dgrad wide over the same tokens, and TE's
+    delayed-scaling quantizer (one scale per tensor)."""
+    if grad.dtype not in (torch.bfloat16, torch.float16) or x.dtype != grad.dtype:
+        return False
+    if type(quantizer).__name__ != "Float8Quantizer":
+        return False
+    n = grad.shape[-1]
+    return x.shape[-1] == 2 * n and grad.numel() // max(n, 1) == x.numel() // max(2 * n, 1)
+
+
+def _te(grad, x, quantizer):
+    import transformer_engine_torch as tex
+
+    return tex.bgrad_quantize(tex.dswiglu(grad, x, None), quantizer)
+
+
+def _fused(grad, x, quantizer):
+    n = grad.shape[-1]
+    g2 = grad.reshape(-1, n).contiguous()
+    x2 = x.reshape(-1, 2 * n).contiguous()
+    m = g2.shape[0]
+    out = quantizer.make_empty(list(x.shape), dtype=x.dtype, device=x.device)
+    f8 = torch.float8_e5m2 if "E5M2" in str(quantizer.dtype) else torch.float8_e4m3fn
+    row, col = quantizer.rowwise_usage, quantizer.columnwise_usage
+    data = out._data.view(f8) if row else torch.empty(0, dtype=f8, device=x.device)
+    data_t = out._transpose.view(f8) if col else data
+    grid = (triton.cdiv(m, _BM), triton.cdiv(n, _BN))
+    partial = torch.empty(grid[0], 2 * n, dtype=torch.float32, device=x.device)
+    _dswiglu_cast_transpose_kernel[grid](
+        g2,
+        x2,
+        data,
+        data_t,
+        partial,
+        quantizer.scale,
+        quantizer.amax,
+        out._scale_inv,
+        m,
+        n,
+        BM=_BM,
+        BN=_BN,
+        ROWWISE=row,
+        COLWISE=col,
+        FMAX=57344.0 if f8 == torch.float8_e5m2 else 448.0,
+        num_warps=_WARPS,
+    )
+    if col:
+        out._transpose_invalid = False
+    return partial.sum(0).to(x.dtype), out
+
+
+def _scratch(quantizer):
+    """A quantizer on the same scale with an amax of its own (a check must not move the run's)."""
+    return type(quantizer)(
+        quantizer.scale,
+        quantizer.amax.clone(),
+        quantizer.dtype,
+        rowwise=quantizer.rowwise_usage,
+        columnwise=quantizer.columnwise_usage,
+    )
+
+
+def _same_bytes(grad, x, quantizer) -> str | None:
+    """Both ways on this call's operands with scratch amaxes: None when the FP8 bytes, amax and
+    scale_inv agree, else what differs."""
+    qt, qf = _scratch(quantizer), _scratch(quantizer)
+    (_, t), (_, f) = _te(grad, x, qt), _fused(grad, x, qf)
+    parts = [("row-wise data", t._data, f._data), ("column-wise data", t._transpose, f._transpose),
+             ("scale_inv", t._scale_inv, f._scale_inv), ("amax", qt.amax, qf.amax)]  # fmt: skip
+    bad = [f"{name} ({int((a != b).sum())} of {a.numel()})"
+           for name, a, b in parts if a is not None and not torch.equal(a, b)]  # fmt: skip
+    return ", ".join(bad) or None
+
+
+# (activation dtype, FP8 dtype) -> whether the kernel wrote TE's bytes on its first call
+_checked: dict[tuple, bool] = {}
+
+
+def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
+    """(bias gradient, FP8 gradient of fc1's output) from fc2's dgrad ``grad`` [..., N] and fc1's
+    output ``x`` [..., 2N], as TE's ``bgrad_quantize(dswiglu(grad, x), quantizer)`` returns them.
+
+    The first call for each pair of dtypes runs both ways on its operands and compares the bytes
+    (the kernel repeats TE's arithmetic, which a TE version could change): on any difference, or
+    if the kernel does not build, a warning says so and TE's kernels make every later call."""
+    if not available(grad, x, quantizer):
+        return _te(grad, x, quantizer)
+    key = (x.dtype, str(quantizer.dtype))
+    if key not in _checked:
+        try:
+            diff = _same_bytes(grad, x, quantizer)
+        except Exception as e:  # a Triton that cannot build it: TE's kernels
+            diff = f"the kernel failed: {type(e).__name__}: {e}"
+        _checked[key] = diff is None
+        if diff is not None:
+            warnings.warn(
+                f"megafp8: the fused SwiGLU backward differs from TE's kernels ({diff}); "
+                "using TE's kernels (--no-te-fused-dswiglu silences this)",
+                stacklevel=2,
+            )
+    if not _checked[key]:
+        return _te(grad, x, quantizer)
+    return _fused(grad, x, quantizer)
+
+
+def install(enabled: bool) -> bool:
+    """Put (or take back) ``dswiglu_quantize`` as swiglu's fused backward in TE's LayerNormMLP
+    for delayed scaling. Returns whether it is in place. TE versions without that table keep
+    their own path."""
+    try:
+        from transformer_engine.pytorch.module import layernorm_mlp as lm
+    except ImportError:
+        return False
+    if "orig" not in _installed:
+        orig = getattr(lm, "_get_act_func_supported_list", None)
+        if orig is None:
+            return False
+        _installed["orig"] = orig
+
+        def table(recipe=None):
+            funcs = _installed["orig"](recipe)
+            if _installed.get("on") and recipe is not None and recipe.delayed():
+                fwd, bwd, fused = funcs.get("swiglu", (None, None, None))
+                if fwd is not None and fused is None:
+                    funcs = dict(funcs)
+                    funcs["swiglu"] = (fwd, bwd, dswiglu_quantize)
+            return funcs
+
+        lm._get_act_func_supported_list = table
+    _installed["on"] = bool(enabled and _HAVE_TRITON)
+    return _installed["on"]

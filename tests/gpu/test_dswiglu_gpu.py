@@ -1,0 +1,115 @@
+"""fp8/dswiglu.py on the GPU: the one-kernel SwiGLU backward with its FP8 cast and transpose
+writes TE's bytes (``bgrad_quantize(dswiglu(grad, x))``: row-wise and column-wise data, amax,
+scale_inv; the bias gradient within the fp32 sum order), for shapes that are not multiples of
+its tiles, each usage and both FP8 formats; and te.LayerNormMLP trained with it installed gives
+the same outputs and gradients, bit for bit, as with TE's own kernels."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _quantizer(fmt, row=True, col=True):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    dt = tex.DType.kFloat8E5M2 if fmt == "e5m2" else tex.DType.kFloat8E4M3
+    scale = torch.full((1,), 2.0**14 if fmt == "e5m2" else 2.0**8, device="cuda")
+    amax = torch.full((1,), 1e-9, device="cuda")  # an earlier cast's amax, kept if larger
+    return Float8Quantizer(scale, amax, dt, rowwise=row, columnwise=col)
+
+
+@pytest.mark.parametrize(
+    "shape,fmt,row,col",
+    [
+        ((1040, 400), "e5m2", True, True),  # neither dim a multiple of the 64 x 64 tile
+        ((64, 3, 176), "e5m2", True, True),  # [s, b, n]
+        ((512, 256), "e4m3", True, True),
+        ((512, 256), "e5m2", True, False),
+        ((512, 256), "e5m2", False, True),
+    ],
+)
+def test_bytes_equal_te_two_kernels(shape, fmt, row, col):
+    import transformer_engine_torch as tex
+
+    from megafp8.fp8 import dswiglu
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    *lead, n = shape
+    g = (torch.randn(*shape, device="cuda", generator=gen) * 1e-4).bfloat16()
+    x = (torch.randn(*lead, 2 * n, device="cuda", generator=gen) * 3).bfloat16()
+    x.view(-1)[:64] = torch.tensor([0.0, -0.0, 90.0, -90.0] * 16)  # exp under/overflow
+    g.view(-1)[64:96] = torch.tensor([1e4, -1e4, 3e3, -7e2] * 8)  # beyond FP8's range: saturate
+    qt, qo = _quantizer(fmt, row, col), _quantizer(fmt, row, col)
+    assert dswiglu.available(g, x, qo)
+    bt, t = tex.bgrad_quantize(tex.dswiglu(g, x, None), qt)
+    bo, o = dswiglu._fused(g, x, qo)  # the kernel itself, not the checked entry
+    if row:
+        assert torch.equal(o._data, t._data)
+    if col:
+        assert torch.equal(o._transpose, t._transpose)
+    assert torch.equal(o._scale_inv, t._scale_inv)
+    assert torch.equal(qo.amax, qt.amax)
+    assert bo.dtype == bt.dtype and bo.shape == bt.shape
+    # fp32 sums of the same bf16 values in another order: within one bf16 ulp of each other
+    assert torch.allclose(bo.float(), bt.float(), rtol=2**-7, atol=1e-30)
+
+
+def test_layernorm_mlp_trains_bit_for_bit_with_it():
+    import transformer_engine.common.recipe as ter
+    import transformer_engine.pytorch as te
+
+    from megafp8.fp8 import dswiglu
+
+    torch.manual_seed(0)
+    mlp = te.LayerNormMLP(256, 704, bias=False, normalization="RMSNorm", activation="swiglu",
+                          params_dtype=torch.bfloat16)  # fmt: skip
+    recipe = ter.DelayedScaling(fp8_format=ter.Format.HYBRID, amax_history_len=4)
+    xs = [torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    dys = [torch.randn_like(x) * 1e-2 for x in xs]
+    calls = []
+    fused = dswiglu.dswiglu_quantize
+
+    def run(on: bool):
+        dswiglu.install(on)
+        model = te.LayerNormMLP(256, 704, bias=False, normalization="RMSNorm",
+                                activation="swiglu", params_dtype=torch.bfloat16)  # fmt: skip
+        model.load_state_dict(mlp.state_dict())
+        outs = []
+        for x, dy in zip(xs, dys, strict=True):  # three steps: the scales move between them
+            x = x.clone().requires_grad_(True)
+            with te.autocast(enabled=True, recipe=recipe):
+                y = model(x)
+            y.backward(dy)
+            outs += [y.detach(), x.grad]
+        outs += [p.grad for p in model.parameters()]
+        return outs
+
+    try:
+        dswiglu.dswiglu_quantize = lambda *a, **k: calls.append(1) or fused(*a, **k)
+        dswiglu._checked.clear()
+        mine = run(True)
+        assert calls, "the fused kernel was not called"
+        assert dswiglu._checked and all(dswiglu._checked.values())  # it ran, not TE's
+        ref = run(False)
+        assert len(calls) == 3
+    finally:
+        dswiglu.dswiglu_quantize = fused
+        dswiglu.install(False)
+    for a, b in zip(mine, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_first_call_check_passes_without_a_warning(recwarn):
+    from megafp8.fp8 import dswiglu
+
+    g = (torch.randn(256, 128, device="cuda") * 1e-3).bfloat16()
+    x = torch.randn(256, 256, device="cuda").bfloat16()
+    dswiglu._checked.clear()
+    dswiglu.dswiglu_quantize(g, x, _quantizer("e5m2"))
+    assert dswiglu._checked == {(torch.bfloat16, str(_quantizer("e5m2").dtype)): True}
+    assert not [w for w in recwarn if "differs from TE" in str(w.message)]

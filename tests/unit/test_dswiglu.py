@@ -1,0 +1,140 @@
+"""fp8/dswiglu.py off the GPU: where the fused SwiGLU backward goes into TE's table (swiglu under
+delayed scaling only, and only while switched on), and that every case the kernel does not
+cover takes TE's own two kernels. TE is stood in for by modules of the same names; the kernel's
+bytes against TE's are tested on the GPU (tests/gpu/test_dswiglu_gpu.py)."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from megafp8.fp8 import dswiglu
+
+
+class _Recipe:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def delayed(self):
+        return self.kind == "delayed"
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    calls = []
+    lm = types.ModuleType("transformer_engine.pytorch.module.layernorm_mlp")
+
+    def table(recipe=None):
+        fused = "dbias_dsilu" if recipe is not None else None
+        return {"silu": ("silu", "dsilu", fused), "swiglu": ("swiglu", "dswiglu", None)}
+
+    lm._get_act_func_supported_list = table
+    tex = types.ModuleType("transformer_engine_torch")
+    tex.dswiglu = lambda g, x, q: calls.append(("dswiglu", q)) or g
+    tex.bgrad_quantize = lambda t, q: calls.append(("bgrad_quantize", q)) or ("dbias", t)
+    mods = {
+        "transformer_engine": types.ModuleType("transformer_engine"),
+        "transformer_engine.pytorch": types.ModuleType("transformer_engine.pytorch"),
+        "transformer_engine.pytorch.module": types.ModuleType("transformer_engine.pytorch.module"),
+        "transformer_engine.pytorch.module.layernorm_mlp": lm,
+        "transformer_engine_torch": tex,
+    }
+    mods["transformer_engine.pytorch.module"].layernorm_mlp = lm
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(dswiglu, "_installed", {})
+    monkeypatch.setattr(dswiglu, "_HAVE_TRITON", True)  # the table's logic, not the kernel
+    return lm, calls
+
+
+def test_swiglu_gets_the_fused_backward_under_delayed_scaling_only(fake_te):
+    lm, _ = fake_te
+    assert dswiglu.install(True)
+    delayed = lm._get_act_func_supported_list(_Recipe("delayed"))
+    assert delayed["swiglu"] == ("swiglu", "dswiglu", dswiglu.dswiglu_quantize)
+    assert delayed["silu"] == ("silu", "dsilu", "dbias_dsilu")  # TE's own fusions kept
+    for other in (_Recipe("mxfp8"), _Recipe("current"), None):
+        assert lm._get_act_func_supported_list(other)["swiglu"][2] is None
+    assert not dswiglu.install(False)
+    assert lm._get_act_func_supported_list(_Recipe("delayed"))["swiglu"][2] is None
+    assert dswiglu.install(True)  # installed once, switched back on
+    assert lm._get_act_func_supported_list(_Recipe("delayed"))["swiglu"][2] is not None
+
+
+def test_install_without_triton_keeps_te(fake_te, monkeypatch):
+    lm, _ = fake_te
+    monkeypatch.setattr(dswiglu, "_HAVE_TRITON", False)
+    assert not dswiglu.install(True)
+    assert lm._get_act_func_supported_list(_Recipe("delayed"))["swiglu"][2] is None
+
+
+class Float8Quantizer:  # the name the kernel accepts, TE's constructor
+    def __init__(self, scale=None, amax=None, dtype=None, rowwise=True, columnwise=True):
+        self.scale, self.amax, self.dtype = scale, amax, dtype
+        self.rowwise_usage, self.columnwise_usage = rowwise, columnwise
+
+
+def test_cases_the_kernel_does_not_cover_take_te_kernels(fake_te):
+    _, calls = fake_te
+    g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
+    q = Float8Quantizer()
+    assert not dswiglu.available(g, x, q)  # CPU tensors
+    assert dswiglu.dswiglu_quantize(g, x, q) == ("dbias", g)
+    assert calls == [("dswiglu", None), ("bgrad_quantize", q)]
+
+    class OtherQuantizer:
+        pass
+
+    assert dswiglu.fits(g, x, q) and dswiglu.fits(g.half(), x.half(), q)
+    assert dswiglu.fits(g.view(2, 2, 8), x, q)  # [s, b, n] against [s * b, 2n]
+    assert not dswiglu.fits(g, x, OtherQuantizer())  # current scaling, MXFP8, ...
+    assert not dswiglu.fits(g, x.float(), q)
+    assert not dswiglu.fits(g.float(), x.float(), q)
+    assert not dswiglu.fits(g, x[:, :12], q)
+    assert not dswiglu.fits(g, x[:2], q)
+
+
+def _fp8(q, data, amax=3.0):
+    q.amax.fill_(amax)
+    t = types.SimpleNamespace(_data=data, _transpose=data.flip(0), _scale_inv=torch.ones(1))
+    return "dbias", t
+
+
+@pytest.mark.parametrize("wrong", [None, "bytes", "amax", "raises"])
+def test_first_call_checks_the_kernel_against_te(monkeypatch, wrong):
+    """The first call runs both ways on scratch amaxes: the kernel is used only if its bytes,
+    amax and scale_inv are TE's; otherwise (or if it does not build) a warning, and TE's kernels
+    from then on. The run's own amax is moved only by the call that counts."""
+    used = []
+
+    def te(g, x, q):
+        used.append("te")
+        return _fp8(q, torch.arange(6))
+
+    def fused(g, x, q):
+        used.append("fused")
+        if wrong == "raises":
+            raise RuntimeError("no kernel")
+        data = torch.arange(6)
+        if wrong == "bytes":
+            data[4] = 0
+        return _fp8(q, data, 5.0 if wrong == "amax" else 3.0)
+
+    monkeypatch.setattr(dswiglu, "available", lambda *a: True)
+    monkeypatch.setattr(dswiglu, "_te", te)
+    monkeypatch.setattr(dswiglu, "_fused", fused)
+    monkeypatch.setattr(dswiglu, "_checked", {})
+    g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), "E5M2")
+    if wrong is None:
+        dswiglu.dswiglu_quantize(g, x, q)
+        assert used == ["te", "fused", "fused"]  # the check, then the call
+    else:
+        with pytest.warns(UserWarning, match="differs from TE's kernels"):
+            dswiglu.dswiglu_quantize(g, x, q)
+        assert used[-1] == "te" and used.count("fused") == 1
+    assert float(q.amax) == 3.0
+    used.clear()
+    dswiglu.dswiglu_quantize(g, x, q)  # checked once per dtype pair
+    assert used == (["fused"] if wrong is None else ["te"])
