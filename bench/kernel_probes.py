@@ -211,8 +211,8 @@ def dswiglu() -> dict:
     def te_two_kernels():
         return tex.bgrad_quantize(tex.dswiglu(g, x, None), qt)
 
-    def ours():
-        return dsw.dswiglu_quantize(g, x, qo)
+    def ours():  # the kernel itself (the entry point's first-call check aside)
+        return dsw._fused(g, x, qo)
 
     (bt, t), (bo, o) = te_two_kernels(), ours()
     out = {
