@@ -11,6 +11,7 @@ in the same order as TE's two kernels (fp32, ``expf``, IEEE division, each gradi
 the activation dtype before it is scaled), so the FP8 bytes, the amax and ``scale_inv`` are
 TE's (tests/gpu/test_dswiglu_gpu.py compares them byte for byte).
 
+Off by default (``--te-fused-dswiglu`` turns it on) until it is measured on a GPU.
 ``install(True)`` puts ``dswiglu_quantize`` in TE's table of fused activation backwards for
 delayed scaling (TE has fused ones for gelu, relu and silu there, none for swiglu); any other
 case (another quantizer, a CPU tensor, no Triton) takes TE's own two kernels inside it. Since

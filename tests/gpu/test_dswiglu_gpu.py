@@ -113,3 +113,26 @@ def test_the_first_call_check_passes_without_a_warning(recwarn):
     dswiglu.dswiglu_quantize(g, x, _quantizer("e5m2"))
     assert dswiglu._checked == {(torch.bfloat16, str(_quantizer("e5m2").dtype)): True}
     assert not [w for w in recwarn if "differs from TE" in str(w.message)]
+
+
+def test_the_flag_puts_it_in_te_and_the_default_keeps_te():
+    import transformer_engine.common.recipe as ter
+    from transformer_engine.pytorch.module import layernorm_mlp as lm
+
+    from megafp8.fp8 import dswiglu
+    from megafp8.fp8.recipe import Fp8Recipe
+    from megafp8.fp8.te_backend import TEBackend
+    from megafp8.parallel.mappings import SOLO
+
+    def swiglu_bwd():
+        return lm._get_act_func_supported_list(ter.DelayedScaling())["swiglu"][2]
+
+    try:
+        on = TEBackend(Fp8Recipe(), amax_group=SOLO, fused_mlp=True, fused_dswiglu=True)
+        assert on.fuses_dswiglu and swiglu_bwd() is dswiglu.dswiglu_quantize
+        off = TEBackend(Fp8Recipe(), amax_group=SOLO, fused_mlp=True)  # the default
+        assert not off.fuses_dswiglu and swiglu_bwd() is None
+        bf16 = TEBackend(None, amax_group=SOLO, fused_mlp=True, fused_dswiglu=True)
+        assert not bf16.fuses_dswiglu and swiglu_bwd() is None
+    finally:
+        dswiglu.install(False)
