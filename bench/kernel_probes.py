@@ -225,9 +225,11 @@ def dswiglu() -> dict:
     for name, fn in (("te_dswiglu_bgrad_quantize", te_two_kernels), ("triton_fused", ours)):
         out[name + "_ms"] = timed(fn)
         out[name + "_kernels_ms"] = kernel_ms(fn)
+    tiles = dsw._BM, dsw._BN, dsw._WARPS
     for bm, bn, w in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 2)):
         dsw._BM, dsw._BN, dsw._WARPS = bm, bn, w
         out[f"triton_fused_{bm}x{bn}_w{w}_kernels_ms"] = kernel_ms(ours)
+    dsw._BM, dsw._BN, dsw._WARPS = tiles
     return out
 
 

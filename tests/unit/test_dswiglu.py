@@ -96,7 +96,7 @@ def test_cases_the_kernel_does_not_cover_take_te_kernels(fake_te):
 
 
 def _fp8(q, data, amax=3.0):
-    q.amax.fill_(amax)
+    q.amax.copy_(torch.clamp(q.amax, min=amax))  # a cast maxes its amax into the history slot
     t = types.SimpleNamespace(_data=data, _transpose=data.flip(0), _scale_inv=torch.ones(1))
     return "dbias", t
 
@@ -134,7 +134,27 @@ def test_first_call_checks_the_kernel_against_te(monkeypatch, wrong):
         with pytest.warns(UserWarning, match="differs from TE's kernels"):
             dswiglu.dswiglu_quantize(g, x, q)
         assert used[-1] == "te" and used.count("fused") == 1
-    assert float(q.amax) == 3.0
     used.clear()
     dswiglu.dswiglu_quantize(g, x, q)  # checked once per dtype pair
     assert used == (["fused"] if wrong is None else ["te"])
+
+
+def test_the_check_leaves_the_runs_amax_alone_and_starts_its_own_from_zero(monkeypatch):
+    """The scratch amaxes start at zero (an earlier, larger amax would hide a wrong one) and the
+    run's amax is not moved by the check."""
+    seen = []
+
+    def cast(amax):
+        def run(g, x, q):
+            seen.append(float(q.amax))
+            return _fp8(q, torch.arange(6), amax)
+
+        return run
+
+    monkeypatch.setattr(dswiglu, "_te", cast(3.0))
+    monkeypatch.setattr(dswiglu, "_fused", cast(2.0))  # a wrong amax
+    q = Float8Quantizer(torch.ones(1), torch.full((1,), 9.0), "E5M2")
+    assert dswiglu._same_bytes(None, None, q) == "amax (1 of 1)"
+    assert seen == [0.0, 0.0] and float(q.amax) == 9.0
+    monkeypatch.setattr(dswiglu, "_fused", cast(3.0))
+    assert dswiglu._same_bytes(None, None, q) is None
