@@ -214,12 +214,9 @@ def dswiglu() -> dict:
     def ours():  # the kernel itself (the entry point's first-call check aside)
         return dsw._fused(g, x, qo)
 
-    (bt, t), (bo, o) = te_two_kernels(), ours()
-    out = {
-        "rowwise_bytes_differing": int((t._data != o._data).sum()),
-        "columnwise_bytes_differing": int((t._transpose != o._transpose).sum()),
-        "amax_equal": bool(torch.equal(qt.amax, qo.amax)),
-        "scale_inv_equal": bool(torch.equal(t._scale_inv, o._scale_inv)),
+    (bt, _), (bo, _) = te_two_kernels(), ours()
+    out = {  # the entry point's own first-call comparison: row-, column-wise, scale_inv, amax
+        "differing_from_te": dsw._same_bytes(g, x, quantizer()) or "nothing",
         "dbias_max_abs_diff": float((bt.float() - bo.float()).abs().max()),
     }
     for name, fn in (("te_dswiglu_bgrad_quantize", te_two_kernels), ("triton_fused", ours)):
