@@ -193,6 +193,7 @@ def adamw() -> dict:
 
 
 def dswiglu() -> dict:
+    import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 

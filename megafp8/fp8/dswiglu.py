@@ -122,6 +122,7 @@ def fits(grad: torch.Tensor, x: torch.Tensor, quantizer) -> bool:
 
 
 def _te(grad, x, quantizer):
+    import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
     import transformer_engine_torch as tex
 
     return tex.bgrad_quantize(tex.dswiglu(grad, x, None), quantizer)

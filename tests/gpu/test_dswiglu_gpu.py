@@ -15,6 +15,7 @@ pytestmark = [
 
 
 def _quantizer(fmt, row=True, col=True):
+    import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
@@ -35,6 +36,7 @@ def _quantizer(fmt, row=True, col=True):
     ],
 )
 def test_bytes_equal_te_two_kernels(shape, fmt, row, col):
+    import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
     import transformer_engine_torch as tex
 
     from megafp8.fp8 import dswiglu
