@@ -17,13 +17,14 @@ Off by default (``--te-fused-dswiglu`` turns it on) until it is measured on a GP
 delayed scaling (TE has fused ones for gelu, relu and silu there, none for swiglu); any other
 case (another quantizer, a CPU tensor, no Triton) takes TE's own two kernels inside it. Since
 the kernel repeats TE's arithmetic, which another TE version could change, the first call of a
-process runs both ways and compares the bytes; on a difference TE's kernels take over, with a
-warning.
+process runs both ways and compares the bytes, at the run's scale and at one that spreads the
+call's values over the whole FP8 range; on a difference TE's kernels take over, with a warning.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 
 import torch
@@ -115,10 +116,21 @@ def fits(grad: torch.Tensor, x: torch.Tensor, quantizer) -> bool:
     delayed-scaling quantizer (one scale per tensor)."""
     if grad.dtype not in (torch.bfloat16, torch.float16) or x.dtype != grad.dtype:
         return False
-    if type(quantizer).__name__ != "Float8Quantizer":
+    if type(quantizer).__name__ != "Float8Quantizer" or _torch_fp8(quantizer) is None:
         return False
     n = grad.shape[-1]
     return x.shape[-1] == 2 * n and grad.numel() // max(n, 1) == x.numel() // max(2 * n, 1)
+
+
+def _torch_fp8(quantizer) -> torch.dtype | None:
+    """The torch dtype of the quantizer's FP8 format, by the name of TE's enum member (TE's
+    ``DType`` is an IntEnum, whose ``str`` is its number)."""
+    name = getattr(quantizer.dtype, "name", None) or str(quantizer.dtype)
+    if "E5M2" in name:
+        return torch.float8_e5m2
+    if "E4M3" in name:
+        return torch.float8_e4m3fn
+    return None
 
 
 def _te(grad, x, quantizer):
@@ -134,7 +146,7 @@ def _fused(grad, x, quantizer):
     x2 = x.reshape(-1, 2 * n).contiguous()
     m = g2.shape[0]
     out = quantizer.make_empty(list(x.shape), dtype=x.dtype, device=x.device)
-    f8 = torch.float8_e5m2 if "E5M2" in str(quantizer.dtype) else torch.float8_e4m3fn
+    f8 = _torch_fp8(quantizer)
     # what TE allocated decides what is written (TE skips the transpose where the GPU's FP8
     # GEMM takes other layouts)
     row = getattr(out, "_data", None) is not None
@@ -166,11 +178,11 @@ def _fused(grad, x, quantizer):
     return partial.sum(0).to(x.dtype), out
 
 
-def _scratch(quantizer):
-    """A quantizer on the same scale with an amax of its own, from zero (a check must not move
-    the run's amax, and an earlier, larger amax must not hide this call's)."""
+def _scratch(quantizer, scale=None):
+    """A quantizer with an amax of its own, from zero (a check must not move the run's amax, and
+    an earlier, larger amax must not hide this call's), on the run's scale or on ``scale``."""
     return type(quantizer)(
-        quantizer.scale,
+        quantizer.scale if scale is None else scale,
         torch.zeros_like(quantizer.amax),
         quantizer.dtype,
         rowwise=quantizer.rowwise_usage,
@@ -178,15 +190,34 @@ def _scratch(quantizer):
     )
 
 
-def _same_bytes(grad, x, quantizer) -> str | None:
-    """Both ways on this call's operands with scratch amaxes: None when the FP8 bytes, amax and
-    scale_inv agree, else what differs."""
-    qt, qf = _scratch(quantizer), _scratch(quantizer)
+class Inconclusive(Exception):
+    """The call's values cannot test the kernel (all zero, or not finite): check a later call."""
+
+
+def _compare(grad, x, qt, qf) -> list[str]:
     (_, t), (_, f) = _te(grad, x, qt), _fused(grad, x, qf)
     parts = [("row-wise data", t._data, f._data), ("column-wise data", t._transpose, f._transpose),
              ("scale_inv", t._scale_inv, f._scale_inv), ("amax", qt.amax, qf.amax)]  # fmt: skip
-    bad = [f"{name} ({int((a != b).sum())} of {a.numel()})"
-           for name, a, b in parts if a is not None and not torch.equal(a, b)]  # fmt: skip
+    return [f"{name} ({int((a != b).sum())} of {a.numel()})"
+            for name, a, b in parts if a is not None and not torch.equal(a, b)]  # fmt: skip
+
+
+def _same_bytes(grad, x, quantizer) -> str | None:
+    """Both ways on this call's operands with scratch amaxes, at the run's scale and again at a
+    power-of-two scale that puts this call's amax at the top of the FP8 range (at the run's scale
+    small gradients may all round to zero, which any encoding writes alike): None when the FP8
+    bytes, amax and scale_inv agree at both, else what differs. Raises ``Inconclusive`` for a
+    call whose values are all zero or not finite."""
+    qt = _scratch(quantizer)
+    bad = _compare(grad, x, qt, _scratch(quantizer))
+    amax = float(qt.amax.max())
+    if not bad and not (0.0 < amax < math.inf):
+        raise Inconclusive(f"amax {amax}")
+    if not bad:
+        fmax = torch.finfo(_torch_fp8(quantizer)).max
+        full = torch.full_like(quantizer.scale, 2.0 ** math.floor(math.log2(fmax / amax)))
+        again = _compare(grad, x, _scratch(quantizer, full), _scratch(quantizer, full))
+        bad = [f"{b} at scale {float(full.flatten()[0]):g}" for b in again]
     return ", ".join(bad) or None
 
 
@@ -199,15 +230,18 @@ def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
     output ``x`` [..., 2N], as TE's ``bgrad_quantize(dswiglu(grad, x), quantizer)`` returns them.
 
     The first call for each pair of dtypes runs both ways on its operands and compares the bytes
-    (the kernel repeats TE's arithmetic, which a TE version could change): on any difference, or
-    if the kernel does not build, a warning says so and TE's kernels make every later call."""
+    (the kernel repeats TE's arithmetic, which a TE version could change), at the run's scale and
+    at one that fills the FP8 range: on any difference, or if the kernel does not build, a warning
+    says so and TE's kernels make every later call. A call with nothing to compare (all zero, or
+    not finite) or no memory for the check takes TE's kernels and leaves the check to a later
+    call."""
     if not available(grad, x, quantizer):
         return _te(grad, x, quantizer)
-    key = (x.dtype, str(quantizer.dtype))
+    key = (x.dtype, _torch_fp8(quantizer))
     if key not in _checked:
         try:
             diff = _same_bytes(grad, x, quantizer)
-        except torch.cuda.OutOfMemoryError:  # no room for the check now: TE's, check later
+        except (torch.cuda.OutOfMemoryError, Inconclusive):  # TE's now, check a later call
             return _te(grad, x, quantizer)
         except Exception as e:  # a Triton that cannot build it: TE's kernels
             diff = f"the kernel failed: {type(e).__name__}: {e}"

@@ -3,6 +3,7 @@ delayed scaling only, and only while switched on), and that every case the kerne
 cover takes TE's own two kernels. TE is stood in for by modules of the same names; the kernel's
 bytes against TE's are tested on the GPU (tests/gpu/test_dswiglu_gpu.py)."""
 
+import enum
 import sys
 import types
 
@@ -78,7 +79,7 @@ class Float8Quantizer:  # the name the kernel accepts, TE's constructor
 def test_cases_the_kernel_does_not_cover_take_te_kernels(fake_te):
     _, calls = fake_te
     g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
-    q = Float8Quantizer()
+    q = Float8Quantizer(dtype=_TEDType.kFloat8E5M2)
     assert not dswiglu.available(g, x, q)  # CPU tensors
     assert dswiglu.dswiglu_quantize(g, x, q) == ("dbias", g)
     assert calls == [("dswiglu", None), ("bgrad_quantize", q)]
@@ -129,7 +130,7 @@ def test_first_call_checks_the_kernel_against_te(monkeypatch, wrong):
     q = Float8Quantizer(torch.ones(1), torch.zeros(1), "E5M2")
     if wrong is None:
         dswiglu.dswiglu_quantize(g, x, q)
-        assert used == ["te", "fused", "fused"]  # the check, then the call
+        assert used == ["te", "fused", "te", "fused", "fused"]  # two scales checked, the call
     else:
         with pytest.warns(UserWarning, match="differs from TE's kernels"):
             dswiglu.dswiglu_quantize(g, x, q)
@@ -158,3 +159,87 @@ def test_the_check_leaves_the_runs_amax_alone_and_starts_its_own_from_zero(monke
     assert seen == [0.0, 0.0] and float(q.amax) == 9.0
     monkeypatch.setattr(dswiglu, "_fused", cast(3.0))
     assert dswiglu._same_bytes(None, None, q) is None
+
+
+class _TEDType(enum.IntEnum):  # TE's DType: an IntEnum, whose str() is its number
+    kBFloat16 = 4
+    kFloat8E4M3 = 7
+    kFloat8E5M2 = 8
+
+
+def test_the_fp8_format_is_read_from_tes_enum_by_name():
+    g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
+    assert str(_TEDType.kFloat8E5M2) == "8"
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), _TEDType.kFloat8E5M2)
+    assert dswiglu._torch_fp8(q) == torch.float8_e5m2
+    q.dtype = _TEDType.kFloat8E4M3
+    assert dswiglu._torch_fp8(q) == torch.float8_e4m3fn
+    q.dtype = "DType.kFloat8E5M2"  # TE's pybind enum's str
+    assert dswiglu._torch_fp8(q) == torch.float8_e5m2
+    q.dtype = _TEDType.kBFloat16  # not an FP8 format: TE's kernels
+    assert dswiglu._torch_fp8(q) is None and not dswiglu.fits(g, x, q)
+
+
+def _scale_dependent(wrong_above_one: bool):
+    """A cast whose bytes are all zero at scale 1 (small gradients) and not above it; with
+    ``wrong_above_one`` the kernel's bytes differ from TE's only there."""
+
+    def run(g, x, q):
+        big = float(q.scale.flatten()[0]) > 1
+        data = torch.arange(6) if big else torch.zeros(6, dtype=torch.int64)
+        if big and wrong_above_one:
+            data = data.flip(0)
+        return _fp8(q, data, 1e-3)
+
+    return run
+
+
+def test_the_check_compares_again_over_the_whole_fp8_range(monkeypatch):
+    """At the run's scale small gradients can all round to zero, which any encoding writes
+    alike; the check compares again at a scale that puts the call's amax at the top of the FP8
+    range, and catches what differs only there."""
+    monkeypatch.setattr(dswiglu, "available", lambda *a: True)
+    monkeypatch.setattr(dswiglu, "_te", _scale_dependent(False))
+    monkeypatch.setattr(dswiglu, "_fused", _scale_dependent(True))
+    monkeypatch.setattr(dswiglu, "_checked", {})
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), _TEDType.kFloat8E5M2)
+    diff = dswiglu._same_bytes(None, None, q)
+    # 57344 / 1e-3 lies between 2^25 and 2^26
+    assert diff == ("row-wise data (6 of 6) at scale 3.35544e+07, "
+                    "column-wise data (6 of 6) at scale 3.35544e+07")  # fmt: skip
+    assert float(q.amax) == 0.0  # the run's amax untouched by the check
+    g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="at scale"):
+        dswiglu.dswiglu_quantize(g, x, q)
+    assert dswiglu._checked == {(torch.bfloat16, torch.float8_e5m2): False}
+    monkeypatch.setattr(dswiglu, "_fused", _scale_dependent(False))
+    assert dswiglu._same_bytes(None, None, q) is None
+
+
+def test_a_call_with_nothing_to_compare_leaves_the_check_to_a_later_call(monkeypatch, recwarn):
+    used, amax = [], [0.0]
+
+    def cast(name):
+        def run(g, x, q):
+            used.append(name)
+            return _fp8(q, torch.zeros(6, dtype=torch.int64), amax[0])
+
+        return run
+
+    monkeypatch.setattr(dswiglu, "available", lambda *a: True)
+    monkeypatch.setattr(dswiglu, "_te", cast("te"))
+    monkeypatch.setattr(dswiglu, "_fused", cast("fused"))
+    monkeypatch.setattr(dswiglu, "_checked", {})
+    g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), _TEDType.kFloat8E5M2)
+    for value in (0.0, float("inf")):  # all zero; not finite
+        amax[0] = value
+        used.clear()
+        dswiglu.dswiglu_quantize(g, x, q)
+        assert used == ["te", "fused", "te"] and dswiglu._checked == {}
+    amax[0] = 0.5
+    used.clear()
+    dswiglu.dswiglu_quantize(g, x, q)
+    assert used == ["te", "fused", "te", "fused", "fused"]
+    assert dswiglu._checked == {(torch.bfloat16, torch.float8_e5m2): True}
+    assert not [w for w in recwarn if "differs from TE" in str(w.message)]
