@@ -1,5 +1,14 @@
-"""run_distributed(fn, world_size, *args): spawn gloo processes over a file store; return each
-rank's result (rank order). An exception in any rank fails the call with that rank's traceback."""
+"""run_distributed(fn, world_size, *args): start gloo processes over a file store; return each
+rank's result (rank order). An exception in any rank fails the call with that rank's traceback.
+
+Without a GPU the ranks are forked from a multiprocessing fork server that imported torch,
+DeepSpeed and megafp8 once for the whole test session: a spawned rank spends seconds importing
+them, for every rank of every call. The server started clean (it imports and does nothing
+else: no thread pool, no process group, no CUDA), so a forked rank starts as a spawned one
+would: multiprocessing gives it this process's working directory and ``sys.path``, and
+``_worker`` this process's current environment. With a GPU, or with ``MEGAFP8_TEST_SPAWN=1``,
+the ranks are spawned.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, store_path, out_dir, fn, args, kwargs):
+def _worker(rank, world_size, store_path, out_dir, fn, args, kwargs, environ):
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's now, not the fork server's at its start
     os.environ.update(
         {
             "RANK": str(rank),
@@ -41,12 +52,43 @@ def _worker(rank, world_size, store_path, out_dir, fn, args, kwargs):
                 pass
 
 
+# imported once by the fork server (a module that fails to import is skipped by it)
+_PRELOAD = ["torch", "numpy", "deepspeed", "megafp8.train", "helpers.dist"]
+_context = None
+
+
+def _start_context():
+    """The fork server's context (started on first use, with DeepSpeed's accelerator set to the
+    CPU before it imports DeepSpeed); spawn with a GPU or ``MEGAFP8_TEST_SPAWN=1``."""
+    global _context
+    if _context is None:
+        if torch.cuda.is_available() or os.environ.get("MEGAFP8_TEST_SPAWN") == "1":
+            _context = mp.get_context("spawn")
+        else:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(_PRELOAD)
+            saved = os.environ.get("DS_ACCELERATOR")
+            os.environ["DS_ACCELERATOR"] = "cpu"
+            try:
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()
+            finally:
+                if saved is None:
+                    del os.environ["DS_ACCELERATOR"]
+                else:
+                    os.environ["DS_ACCELERATOR"] = saved
+            _context = ctx
+    return _context
+
+
 def run_distributed(fn, world_size: int, *args, **kwargs):
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
+        env = dict(os.environ)
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, store, d, fn, args, kwargs))
+            ctx.Process(target=_worker, args=(r, world_size, store, d, fn, args, kwargs, env))
             for r in range(world_size)
         ]
         for p in procs:
