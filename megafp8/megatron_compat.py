@@ -64,6 +64,12 @@ TABLE = [
         "selective recompute (--recompute-granularity selective)",
     ),
     _f("deterministic-mode", "switch", "map", "deterministic kernels (--deterministic)"),
+    _f(
+        "use-rotary-position-embeddings",
+        "switch",
+        "map",
+        "--position-embedding-type rope (deprecated in Megatron-LM for that flag)",
+    ),
     _f("use-dist-ckpt", "switch", "map", "--ckpt-format torch_dist unless a format is given"),
     _f("no-position-embedding", "switch", "check", "accepted with rope (which has no table)"),
     _f("optimizer", str, "check", "must be adam (AdamW, decoupled weight decay, as Megatron's)"),
@@ -155,6 +161,15 @@ TABLE = [
     _f("no-bias-dropout-fusion", "switch", "notice", "dropout and residual add are torch ops"),
     _f("no-rope-fusion", "switch", "notice", "RoPE comes from the backend"),
     _f(
+        "cross-entropy-fusion-impl",
+        str,
+        "notice",
+        "the fused loss is megafp8's own kernels (--cross-entropy-loss-fusion)",
+    ),
+    _f("num-dataset-builder-threads", int, "notice", "one process per node builds the index"),
+    _f("enable-cuda-graph", "switch", "notice", "kernels are launched without CUDA graphs"),
+    _f("cuda-graph-impl", str, "notice", "kernels are launched without CUDA graphs"),
+    _f(
         "distribute-saved-activations",
         "switch",
         "notice",
@@ -181,6 +196,16 @@ TABLE = [
         "the lr schedule follows this run's flags: give the saved run's schedule flags",
     ),
     _f("rotary-interleaved", "switch", "refuse", "RoPE here rotates halves (Megatron's default)"),
+    _f("qk-layernorm", "switch", "refuse", "QK norm is not available"),
+    _f("squared-relu", "switch", "refuse", "the MLP is GELU, or SwiGLU with --swiglu"),
+    _f(
+        "use-torch-fsdp2",
+        "switch",
+        "refuse",
+        "data parallelism here is DeepSpeed ZeRO: --zero-stage 3 shards parameters, "
+        "gradients and optimizer states",
+    ),
+    _f("use-legacy-models", "switch", "refuse", "the model here is the Megatron Core one"),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}
@@ -275,6 +300,8 @@ def resolve(given: dict, values: dict) -> list[str]:
         values.setdefault("recompute_granularity", "selective")
     if given.get("deterministic_mode"):
         values["deterministic"] = True
+    if given.get("use_rotary_position_embeddings"):
+        values["position_embedding_type"] = "rope"  # as Megatron: it wins over the type given
     if given.get("use_dist_ckpt"):
         values.setdefault("ckpt_format", "torch_dist")
     if given.get("num_layers_per_virtual_pipeline_stage") is not None:

@@ -317,7 +317,8 @@ COMMON = (
     " --use-dist-ckpt --dist-ckpt-format torch_dist --deterministic-mode --exit-interval 100"
     " --exp-avg-dtype fp32 --exp-avg-sq-dtype fp32 --override-opt_param-scheduler"
     " --exit-on-missing-checkpoint --lr-decay-style WSD --lr-wsd-decay-samples 80"
-    " --global-batch-size 8"
+    " --global-batch-size 8 --cross-entropy-fusion-impl te --num-dataset-builder-threads 4"
+    " --enable-cuda-graph --cuda-graph-impl local --use-rotary-position-embeddings"
 )
 
 
@@ -326,16 +327,22 @@ def test_common_script_flags_are_taken_or_noticed():
     t = cfg.train
     assert t.ckpt_format == "torch_dist" and t.deterministic and t.exit_interval == 100
     assert t.exit_on_missing_checkpoint and cfg.optim.lr_wsd_decay_iters == 10  # 80 / 8
+    assert cfg.model.position_embedding_type == "rope"  # --use-rotary-position-embeddings
     noticed = {n.split()[0] for n in notices}
     given = {f for f in COMMON.split() if f.startswith("--")}
     taken = {"--mock-data", "--optimizer", "--dataloader-type", "--use-dist-ckpt",
              "--dist-ckpt-format", "--deterministic-mode", "--exit-interval", "--exp-avg-dtype",
              "--exp-avg-sq-dtype", "--log-params-norm", "--exit-on-missing-checkpoint",
-             "--lr-decay-style", "--lr-wsd-decay-samples", "--global-batch-size"}  # fmt: skip
+             "--lr-decay-style", "--lr-wsd-decay-samples", "--global-batch-size",
+             "--use-rotary-position-embeddings"}  # fmt: skip
     assert noticed == given - taken
     assert all("has no effect here: " in n for n in notices)
     cfg, _ = _parse("--mock-data --use-dist-ckpt --ckpt-format torch")
     assert cfg.train.ckpt_format == "torch"  # a format given wins
+    assert cfg.model.position_embedding_type == "learned_absolute"  # the default without it
+    for extra in ("", " --position-embedding-type learned_absolute"):  # as Megatron: rope wins
+        cfg, _ = _parse("--mock-data --use-rotary-position-embeddings" + extra)
+        assert cfg.model.position_embedding_type == "rope"
 
 
 @pytest.mark.parametrize(
@@ -350,6 +357,13 @@ def test_common_script_flags_are_taken_or_noticed():
         ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
         ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
         ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler: the lr"),
+        ("--qk-layernorm", "--qk-layernorm: QK norm is not available"),
+        ("--squared-relu", "--squared-relu: the MLP is GELU, or SwiGLU with --swiglu"),
+        (
+            "--use-torch-fsdp2",
+            "--use-torch-fsdp2: data parallelism here is DeepSpeed ZeRO: --zero-stage 3",
+        ),
+        ("--use-legacy-models", "--use-legacy-models: the model here is the Megatron Core one"),
     ],
 )
 def test_common_script_flags_refused_in_one_line(flags, message):
