@@ -235,7 +235,8 @@ SHAPE = [("model", f) for f in (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
     "ffn_hidden_size", "position_embedding_type", "normalization", "swiglu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "apply_layernorm_1p",
-    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
 )] + [("parallel", f) for f in (
     "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",

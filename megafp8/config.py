@@ -49,6 +49,11 @@ class ModelConfig:
     )
     add_bias_linear: bool = _f(True, "biases in the linear layers (--disable-bias-linear: none)")
     add_qkv_bias: bool = _f(False, "a bias on the QKV projection even without the others (Qwen2)")
+    qk_layernorm: bool = _f(
+        False,
+        "normalize each query and key head (the --normalization type, over the head dim) "
+        "before RoPE (Qwen3, OLMo 2)",
+    )
     vocab_size: int | None = _f(
         None, "vocabulary size (None: the tokenizer's, or the mock data's default)"
     )

@@ -196,7 +196,6 @@ TABLE = [
         "the lr schedule follows this run's flags: give the saved run's schedule flags",
     ),
     _f("rotary-interleaved", "switch", "refuse", "RoPE here rotates halves (Megatron's default)"),
-    _f("qk-layernorm", "switch", "refuse", "QK norm is not available"),
     _f("squared-relu", "switch", "refuse", "the MLP is GELU, or SwiGLU with --swiglu"),
     _f(
         "use-torch-fsdp2",

@@ -31,9 +31,9 @@ from torch import nn
 from megafp8.fp8.plain_ops import (
     PlainLinear,
     SdpaAttention,
-    ZeroCenteredNorm,
     apply_rope,
     rope_tables,
+    torch_norm,
 )
 from megafp8.parallel.mappings import world
 
@@ -102,11 +102,10 @@ class Backend:
     ) -> nn.Module:
         """LayerNorm or RMSNorm over the last dim (weight stored as ``w - 1`` when
         ``zero_centered_gamma``)."""
-        if zero_centered_gamma:
-            return ZeroCenteredNorm(normalization, hidden, eps, dtype=dtype, device=device)
-        if normalization == "LayerNorm":
-            return nn.LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
-        return nn.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+        return torch_norm(
+            normalization, hidden, eps, zero_centered_gamma=zero_centered_gamma, dtype=dtype,
+            device=device,
+        )  # fmt: skip
 
     def make_core_attention(
         self,

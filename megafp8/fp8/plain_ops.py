@@ -53,6 +53,18 @@ class ZeroCenteredNorm(nn.Module):
         return F.rms_norm(x, self.shape, 1.0 + self.weight, self.eps)
 
 
+def torch_norm(
+    normalization: str, hidden: int, eps: float, *, zero_centered_gamma=False, dtype, device
+) -> nn.Module:
+    """LayerNorm or RMSNorm over the last dim in torch ops (weight stored as ``w - 1`` when
+    ``zero_centered_gamma``)."""
+    if zero_centered_gamma:
+        return ZeroCenteredNorm(normalization, hidden, eps, dtype=dtype, device=device)
+    if normalization == "LayerNorm":
+        return nn.LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
+    return nn.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
+
+
 class SdpaAttention(nn.Module):
     """Causal softmax(q k^T / sqrt(d)) v of this rank's heads with torch's SDPA. Grouped-query:
     ``kv_heads`` < ``heads``, each kv head serving ``heads / kv_heads`` query heads. Dropout on the

@@ -1,6 +1,6 @@
 """HuggingFace export and import (``megafp8-hf``, ``python -m megafp8.hf``).
 
-    megafp8-hf export --load CKPT --out DIR [--family llama|qwen2|gpt2] [--iteration N]
+    megafp8-hf export --load CKPT --out DIR [--family llama|qwen2|qwen3|gpt2] [--iteration N]
                       [--dtype bf16]
     megafp8-hf import --hf DIR --save CKPT [--tensor-model-parallel-size T]
                       [--pipeline-model-parallel-size P] [--seq-length S]
@@ -28,10 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="HuggingFace model directory to write")
     ex.add_argument(
         "--family",
-        choices=("llama", "qwen2", "gpt2"),
+        choices=("llama", "qwen2", "qwen3", "gpt2"),
         default=None,
-        help="default: llama for RoPE models (qwen2 with biases on q, k, v alone), gpt2 for "
-        "learned positions",
+        help="default: llama for RoPE models (qwen2 with biases on q, k, v alone, qwen3 with "
+        "--qk-layernorm), gpt2 for learned positions",
     )
     ex.add_argument("--iteration", type=int, default=None, help="default: the one 'latest' names")
     ex.add_argument(

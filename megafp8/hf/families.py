@@ -20,8 +20,9 @@ import torch
 from megafp8.config import Config, ModelConfig
 from megafp8.fp8.plain_ops import ROPE_SCALING_BANDS
 
-FAMILIES = ("llama", "qwen2", "gpt2")
-LLAMA_LIKE = ("llama", "qwen2")  # the same tensor names; Qwen2 adds q, k, v biases
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+# the same tensor names; Qwen2 adds q, k, v biases, Qwen3 a q and a k norm (--qk-layernorm)
+LLAMA_LIKE = ("llama", "qwen2", "qwen3")
 
 
 def _refuse(family: str, what: str) -> None:
@@ -61,11 +62,20 @@ def check_exportable(m: ModelConfig, family: str) -> None:
             _refuse(family, f"seq_length={m.seq_length} > max_position_embeddings")
     else:
         raise ValueError(f"family={family!r}: one of {FAMILIES}")
+    if m.qk_layernorm and family != "qwen3":
+        _refuse(family, "qk_layernorm=True (a q and a k norm: --family qwen3)")
+    if family == "qwen3" and not m.qk_layernorm:
+        _refuse(family, "qk_layernorm=False (Qwen3 normalizes q and k: --qk-layernorm)")
+    if family == "qwen3" and (m.add_bias_linear or m.add_qkv_bias):
+        _refuse(family, f"add_bias_linear={m.add_bias_linear}, add_qkv_bias={m.add_qkv_bias} "
+                "(no biases)")  # fmt: skip
 
 
 def guess_family(m: ModelConfig) -> str:
     if m.position_embedding_type != "rope":
         return "gpt2"
+    if m.qk_layernorm:
+        return "qwen3"
     return "qwen2" if m.add_qkv_bias and not m.add_bias_linear else "llama"
 
 
@@ -116,6 +126,9 @@ def to_hf(cfg: Config, full: dict[str, torch.Tensor], family: str) -> tuple[dict
             for nm, t in zip(("q", "k", "v"), _split_qkv(qkv_w, m), strict=True):
                 out[d + f"self_attn.{nm}_proj.weight"] = t
             out[d + "self_attn.o_proj.weight"] = proj_w
+            if m.qk_layernorm:
+                for nm in ("q", "k"):
+                    out[d + f"self_attn.{nm}_norm.weight"] = full[s + f"attn.{nm}_norm.weight"]
             out[d + "mlp.gate_proj.weight"] = fc1_w[: m.ffn]
             out[d + "mlp.up_proj.weight"] = fc1_w[m.ffn :]
             out[d + "mlp.down_proj.weight"] = fc2_w
@@ -149,7 +162,8 @@ def to_hf(cfg: Config, full: dict[str, torch.Tensor], family: str) -> tuple[dict
         out["transformer.wpe.weight"] = full["pos"]
         _norm(out, "final_norm", "transformer.ln_f", full, True)
     out = {k: v.contiguous() for k, v in out.items()}
-    make = {"llama": _llama_config, "qwen2": _qwen2_config, "gpt2": _gpt2_config}[family]
+    make = {"llama": _llama_config, "qwen2": _qwen2_config, "qwen3": _qwen3_config,
+            "gpt2": _gpt2_config}[family]  # fmt: skip
     return make(m, tied, emb.dtype), out
 
 
@@ -187,6 +201,14 @@ def _qwen2_config(m: ModelConfig, tied: bool, dtype) -> dict:
     for k in ("attention_bias", "mlp_bias", "head_dim"):  # Qwen2's q, k, v biases are implied
         del out[k]
     out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+               max_window_layers=m.num_layers)  # fmt: skip
+    return out
+
+
+def _qwen3_config(m: ModelConfig, tied: bool, dtype) -> dict:
+    out = _llama_config(m, tied, dtype)
+    del out["mlp_bias"]
+    out.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
                max_window_layers=m.num_layers)  # fmt: skip
     return out
 
@@ -269,6 +291,10 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
         if kind == "llama":
             bias = need("attention_bias", lambda v: v == hf.get("mlp_bias", False), False)
             extra["add_qkv_bias"] = False
+        elif kind == "qwen3":  # a q and a k norm; no biases; no sliding window
+            need("attention_bias", lambda v: not v, False)
+            need("use_sliding_window", lambda v: not v, False)
+            bias, extra["add_qkv_bias"], extra["qk_layernorm"] = False, False, True
         else:  # Qwen2: q, k, v biases, no others; no sliding window
             need("use_sliding_window", lambda v: not v, False)
             bias, extra["add_qkv_bias"] = False, True
@@ -312,7 +338,8 @@ def model_config_from_hf(hf: dict, seq_length: int | None) -> tuple[str, dict]:
         )
     else:
         raise ValueError(
-            f"config.json model_type={kind!r}: only llama, mistral, qwen2 and gpt2 are supported"
+            f"config.json model_type={kind!r}: only llama, mistral, qwen2, qwen3 and gpt2 are "
+            "supported"
         )
     fields["vocab_size"] = hf["vocab_size"]
     fields["init_method_std"] = hf.get("initializer_range", 0.02)
@@ -345,6 +372,9 @@ def from_hf(m: ModelConfig, family: str, t: dict[str, torch.Tensor]) -> dict[str
                     [t[f + f"gate_proj.{k}"], t[f + f"up_proj.{k}"]]
                 )
             out[d + "attn.proj.linear.weight"] = t[a + "o_proj.weight"]
+            if m.qk_layernorm:
+                for n in ("q", "k"):
+                    out[d + f"attn.{n}_norm.weight"] = t[a + f"{n}_norm.weight"]
             out[d + "mlp.fc2.linear.weight"] = t[f + "down_proj.weight"]
             if bias:
                 out[d + "attn.proj.bias"] = t[a + "o_proj.bias"]

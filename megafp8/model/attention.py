@@ -5,6 +5,11 @@ heads, each rank holds kv/tp whole groups and one fused QKV column-parallel GEMM
 QKV weight is laid out group by group: the group's query heads, then its k, then its v). When tp
 exceeds the kv heads, each kv head is replicated on the tp/kv ranks whose query heads use it: a
 separate KV projection holds that group's rows, and their gradient is summed over those ranks.
+
+``--qk-layernorm`` normalizes every query head and every key head over the head dim (one weight
+for all query heads, one for all key heads; the model's norm type), after the split and before
+RoPE. Those weights are replicated: each TP rank's gradient covers its own heads, and the sum
+over TP is the whole. They run as PyTorch norms on either backend.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import functools
 import torch
 from torch import nn
 
+from megafp8.fp8.plain_ops import torch_norm
 from megafp8.parallel import mappings as M
-from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear, allreduce_grad_hook
 
 
 def qkv_rows(heads: int, kv: int, hd: int, tp: int, rank: int) -> torch.Tensor:
@@ -123,6 +129,13 @@ class SelfAttention(nn.Module):
             name=f"{name}.proj",
             **{**kw, "std": m.init_method_std / (2.0 * m.num_layers) ** 0.5},
         )
+        self.q_norm = self.k_norm = None
+        if m.qk_layernorm:
+            nkw = dict(zero_centered_gamma=m.apply_layernorm_1p, dtype=dtype, device=device)
+            self.q_norm = torch_norm(m.normalization, self.hd, m.norm_epsilon, **nkw)
+            self.k_norm = torch_norm(m.normalization, self.hd, m.norm_epsilon, **nkw)
+            for p in (*self.q_norm.parameters(), *self.k_norm.parameters()):
+                allreduce_grad_hook(p, tp_group)
         self.core = backend.make_core_attention(
             self.np, self.hd, self.kvp, dropout=self.dropout, rng=rng,
             document_mask=cfg.data.reset_attention_mask,
@@ -136,15 +149,19 @@ class SelfAttention(nn.Module):
             s, b = qkv.shape[:2]
             qkv = qkv.view(s, b, self.kvp, -1)  # [s, b, kvp, (hpg + 2) * hd]: one group each
             # q [s, b, np, hd], k and v [s, b, kvp, hd], RoPE applied (fused on the te backend)
-            q, k, v = self.backend.split_qkv(qkv, self.heads // self.kv, rope)
+            # unless the heads are normed first
+            split_rope = None if self.q_norm is not None else rope
+            q, k, v = self.backend.split_qkv(qkv, self.heads // self.kv, split_rope)
         else:
             q = self.q(x)
             s, b = q.shape[:2]
             q = q.view(s, b, self.np, self.hd)  # [s, b, np, hd]
             kv = self.kv_proj(x).view(s, b, 2, self.hd)  # [s, b, k|v, hd]
             k, v = kv[:, :, 0:1], kv[:, :, 1:2]  # [s, b, 1, hd]
-            if rope is not None:
-                q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
+        if self.q_norm is not None:  # v a buffer of its own like q and k (one layout for all)
+            q, k, v = self.q_norm(q), self.k_norm(k), v.contiguous()
+        if rope is not None and (self.q_norm is not None or not self.fused):
+            q, k = self.backend.rope(q, *rope), self.backend.rope(k, *rope)
         core = self.core if mask is None else functools.partial(self.core, mask=mask)
         if self.recompute is not None:  # keep q, k, v; the attention runs again in backward
             ctx = self.recompute(core, q, k, v)  # [s, b, np*hd]

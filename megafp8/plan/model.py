@@ -103,6 +103,8 @@ def layer_params(m) -> tuple[float, float]:
         other += qkv / h + h + (2 * m.ffn if m.swiglu else m.ffn) + h
     elif m.add_qkv_bias:
         other += qkv / h
+    if m.qk_layernorm:  # a q and a k norm over the head dim
+        other += (4 if m.normalization == "LayerNorm" else 2) * m.head_dim
     return qkv + proj + mlp, other
 
 

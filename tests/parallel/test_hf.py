@@ -32,9 +32,11 @@ MODELS = {
     "qwen2": dict(
         LLAMA, add_qkv_bias=True, untie_embeddings_and_output_weights=False, rotary_base=1e6
     ),  # fmt: skip
+    "qwen3": dict(LLAMA, qk_layernorm=True),
     "gpt2": dict(vocab_size=250, ffn_hidden_size=160, max_position_embeddings=40),
 }
-ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "gpt2": "GPT2LMHeadModel"}  # fmt: skip
 LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
 
 
@@ -147,6 +149,12 @@ def test_refusals(saved, tmp_path):
     if family == "qwen2":  # Llama's attention_bias would put a bias on o_proj as well
         with pytest.raises(ValueError, match="llama cannot represent add_qkv_bias=True"):
             convert.export_checkpoint(ck, str(tmp_path / "y"), "llama")
+    if family == "qwen3":  # Llama has no q and k norms
+        with pytest.raises(ValueError, match="llama cannot represent qk_layernorm=True"):
+            convert.export_checkpoint(ck, str(tmp_path / "y"), "llama")
+    if family == "llama":
+        with pytest.raises(ValueError, match="qwen3 cannot represent qk_layernorm=False"):
+            convert.export_checkpoint(ck, str(tmp_path / "y"), "qwen3")
 
 
 def _resume_one_step(cfg):
@@ -219,16 +227,18 @@ def test_llama31_rope_scaling_exports_and_imports(tmp_path):
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
-def test_qwen2_biases_map_to_transformers():
-    """Every weight and bias of a one-process Qwen2-shaped model drawn at random (biases far from
-    the zeros they start at), mapped by ``to_hf`` and loaded into transformers' Qwen2: the same
-    logits (the 1e-4 bound above), so each q, k, v bias reaches its head."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_extras_map_to_transformers(family):
+    """Every weight of a one-process Qwen2- or Qwen3-shaped model drawn at random (Qwen2's q, k,
+    v biases far from the zeros they start at, Qwen3's q and k norm weights far from their ones),
+    mapped by ``to_hf`` and loaded into transformers' model: the same logits (the 1e-4 bound
+    above), so each bias reaches its head and each norm its heads, before RoPE."""
     from megafp8.fp8.backend import Backend
     from megafp8.hf import families
     from megafp8.model.gpt import GPTModel
     from megafp8.parallel.groups import ParallelGroups
 
-    cfg = tiny_config(model=MODELS["qwen2"])
+    cfg = tiny_config(model=MODELS[family])
     ours = GPTModel(cfg, backend=Backend(), groups=ParallelGroups.single(), vocab_size=250)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -236,12 +246,15 @@ def test_qwen2_biases_map_to_transformers():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     full = {layout.canonical(n): p.detach() for n, p in ours.named_parameters()}
     full = {k: v for k, v in full.items() if k is not None}
-    hf_cfg, tensors = families.to_hf(cfg, full, "qwen2")
-    assert any(k.endswith("k_proj.bias") for k in tensors)
+    hf_cfg, tensors = families.to_hf(cfg, full, family)
+    extra = "k_proj.bias" if family == "qwen2" else "k_norm.weight"
+    assert sum(k.endswith(extra) for k in tensors) == cfg.model.num_layers
     assert not any(k.endswith(("o_proj.bias", "gate_proj.bias", "down_proj.bias")) for k in tensors)
-    theirs = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf_cfg))
+    arch = getattr(transformers, ARCH[family])
+    theirs = arch(getattr(transformers, family.capitalize() + "Config")(**hf_cfg))
     missing, unexpected = theirs.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the embedding
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if tied else set())
     tokens = torch.randint(0, 250, (2, 32), generator=g)
     ours.eval()
     theirs.eval()
@@ -250,10 +263,12 @@ def test_qwen2_biases_map_to_transformers():
         b = theirs(tokens).logits
     scale = a.abs().max().item()
     assert (a - b).abs().max().item() <= 1e-4 * scale
-    back = families.from_hf(cfg.model, "qwen2", tensors)  # and back, padded vocab rows aside
+    back = families.from_hf(cfg.model, family, tensors)  # and back, padded vocab rows aside
     assert back.keys() == full.keys()
     for k, v in back.items():
         assert torch.equal(v, full[k][: v.shape[0]]), k
+    fields = families.model_config_from_hf(hf_cfg, 32)[1]
+    assert fields.get("qk_layernorm", False) == (family == "qwen3")
 
 
 def test_mistral_config_imports_as_llama():

@@ -80,6 +80,21 @@ def _check(got, ref):
     assert ref[-1][0] < ref[0][0]
 
 
+def test_qk_layernorm_under_pp_tp_sp_dp_matches_one_process():
+    """--qk-layernorm through the whole run (ZeRO-1, the gradient norm and clipping) at pp 2 x
+    tp 2 (SP) x dp 2: the q and k norm weights are replicated over TP, their gradients summed
+    over it and counted once in the norm, as one process's."""
+    cfg = _cfg().replace(
+        model=dict(qk_layernorm=True, position_embedding_type="rope", normalization="RMSNorm")
+    )
+    ref = run_distributed(_norms, 1, cfg)[0]
+    par = cfg.replace(parallel=dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                    sequence_parallel=True))  # fmt: skip
+    got = run_distributed(_norms, 8, par)
+    assert all(g == got[0] for g in got)
+    _check(got[0], ref)
+
+
 def test_pp_fp8_matches_one_process():
     """FP8 (torch backend, emulated GEMM) at pp=2: the scales equal one process's (see
     test_pp_grads.py), so only the tied embedding's fp32 reassociation differs; it can flip an

@@ -161,6 +161,33 @@ def _check_replicated_kv(kv):
             torch.testing.assert_close(g, ref, **FP32_TOL, msg=name)
 
 
+@pytest.mark.parametrize(
+    "tp,sp,kv,model",
+    [
+        (2, True, 2, dict(position_embedding_type="rope", normalization="RMSNorm")),
+        (4, False, 1, dict(apply_layernorm_1p=True)),  # k replicated over 4 ranks; LayerNorm 1p
+    ],
+    ids=["tp2-sp-rope-rmsnorm", "tp4-kv1-layernorm1p"],
+)
+def test_qk_layernorm_matches_single_process(tp, sp, kv, model):
+    """--qk-layernorm: one q and one k norm weight serve every head; each rank's gradient covers
+    its own heads, and the sum over TP must equal one process's gradient (fp32)."""
+    cfg = tiny_config(
+        parallel=dict(tensor_model_parallel_size=tp, sequence_parallel=sp),
+        model=dict(num_query_groups=kv, qk_layernorm=True, **model),
+    )
+    for (loss, r_loss), (logits, r_logits), _, grads in run_distributed(_compare, tp, cfg, 1):
+        torch.testing.assert_close(loss, r_loss, **FP32_TOL)
+        torch.testing.assert_close(logits, r_logits, **FP32_TOL)
+        normed = [n for n in grads if "q_norm" in n or "k_norm" in n]
+        per_norm = 2 if cfg.model.normalization == "LayerNorm" else 1  # weight (and bias)
+        assert len(normed) == cfg.model.num_layers * 2 * per_norm
+        for name in normed:  # (a k bias has no gradient: softmax ignores a shift of every key)
+            assert "weight" not in name or grads[name][1].abs().max() > 1e-4, name
+        for name, (g, ref) in grads.items():
+            torch.testing.assert_close(g, ref, **FP32_TOL, msg=name)
+
+
 def _ce(vocab, tp):
     from megafp8.parallel.groups import ParallelGroups
     from megafp8.parallel.layers import vocab_parallel_cross_entropy

@@ -127,8 +127,9 @@ def test_cli_tries_expert_parallel_layouts(capsys):
     "model",
     [dict(), dict(add_bias_linear=False), dict(add_bias_linear=False, add_qkv_bias=True),
      dict(swiglu=True, num_query_groups=2, normalization="RMSNorm", add_bias_linear=False,
-          add_qkv_bias=True)],
-    ids=["biases", "none", "qkv-bias", "llama-qkv-bias"],
+          add_qkv_bias=True),
+     dict(qk_layernorm=True), dict(qk_layernorm=True, normalization="RMSNorm")],
+    ids=["biases", "none", "qkv-bias", "llama-qkv-bias", "qk-layernorm", "qk-rmsnorm"],
 )  # fmt: skip
 def test_layer_params_count_the_models_layer(model):
     """The planner's parameters of one layer equal those of the model's layer 0."""
