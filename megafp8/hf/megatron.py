@@ -15,7 +15,7 @@ Two of Megatron-LM's formats are read, without Megatron-LM installed:
 The model's shape comes from the saved ``args``: they are Megatron-LM's flags, whose names are
 megafp8's config fields. The tensor layouts are the same as megafp8's: the QKV rows grouped per
 kv head (its query heads, then k, then v), the SwiGLU fc1 as [gate; up], the vocab padded to
-``padded_vocab_size`` rows. What megafp8's model cannot build (experts, MLA, QK norm, partial
+``padded_vocab_size`` rows. What megafp8's model cannot build (experts, MLA, an L2 QK norm, partial
 or interleaved RoPE, a head size other than hidden / heads, another activation) is refused with
 one line naming the argument. The pickled ``args`` come from the user's own checkpoint and are
 read with ``pickle`` (classes of Megatron-LM become plain placeholders): as with any ``.pt``
@@ -189,7 +189,7 @@ def model_fields(args, path: str = "the checkpoint") -> dict:
 
     refuse("num_experts", lambda v: not v)
     refuse("multi_latent_attention", lambda v: not v)
-    refuse("qk_layernorm", lambda v: not v)
+    refuse("qk_l2_norm", lambda v: not v)
     refuse("rotary_interleaved", lambda v: not v)
     refuse("rotary_percent", lambda v: v in (None, 1.0))
     refuse("rotary_seq_len_interpolation_factor", lambda v: v in (None, 1, 1.0))
@@ -226,6 +226,7 @@ def model_fields(args, path: str = "the checkpoint") -> dict:
         and not _arg(args, "add_bias_linear", True),
         init_method_std=float(_arg(args, "init_method_std", 0.02)),
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
+        qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128)),
     )
     if fields["num_query_groups"] == heads:
@@ -243,6 +244,10 @@ _LAYER = {
     "input_layernorm.bias": "norm1.bias",
     "self_attention.linear_qkv.weight": "attn.qkv.linear.weight",
     "self_attention.linear_qkv.bias": "attn.qkv.linear.bias",
+    "self_attention.q_layernorm.weight": "attn.q_norm.weight",
+    "self_attention.q_layernorm.bias": "attn.q_norm.bias",
+    "self_attention.k_layernorm.weight": "attn.k_norm.weight",
+    "self_attention.k_layernorm.bias": "attn.k_norm.bias",
     "self_attention.linear_proj.weight": "attn.proj.linear.weight",
     "self_attention.linear_proj.bias": "attn.proj.bias",
     "mlp.linear_fc1.layer_norm_weight": "norm2.weight",

@@ -1,7 +1,8 @@
 """Megatron-LM checkpoints into megafp8 (``megafp8-hf from-megatron``). The fixtures were written
 by Megatron Core's own GPTModel and checkpoint code (``tests/fixtures/megatron/make.py``), with
-the logits it computed: a GPT-2 style model saved as torch_dist and a Llama style one (GQA,
-SwiGLU, RoPE, untied) saved in the torch format. megafp8's model, filled from each checkpoint,
+the logits it computed: a GPT-2 style model saved as torch_dist, a Llama style one (GQA,
+SwiGLU, RoPE, untied) and a Qwen3 style one (the same with --qk-layernorm) saved in the torch
+format. megafp8's model, filled from each checkpoint,
 must give Megatron Core's logits; the imported checkpoint trains at TP 2."""
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ def _ours(name: str):
     return cfg, model.eval(), src
 
 
-@pytest.mark.parametrize("name", ["gpt_dist", "llama_torch"])
+@pytest.mark.parametrize("name", ["gpt_dist", "llama_torch", "qwen3_torch"])
 def test_logits_equal_megatron_core(name):
     """Every tensor lands where Megatron Core had it: the logits equal its own on the same
-    tokens (fp32 on both sides; the bound is rounding of sums taken in another order)."""
+    tokens (fp32 on both sides; the bound is rounding of sums taken in another order). The
+    fixtures' 1-D weights (norms, q and k norms) were moved away from their init."""
     cfg, model, src = _ours(name)
-    assert src.format == {"gpt_dist": "torch_dist", "llama_torch": "torch"}[name]
-    assert src.iteration == {"gpt_dist": 3, "llama_torch": 2}[name]
+    assert src.format == {"gpt_dist": "torch_dist", "llama_torch": "torch"}.get(name, "torch")
+    assert src.iteration == {"gpt_dist": 3, "llama_torch": 2, "qwen3_torch": 1}[name]
+    assert cfg.model.qk_layernorm == (name == "qwen3_torch")
     ref = REF[name]
     with torch.no_grad():
         ours = model(ref["tokens"]).transpose(0, 1)  # [b, s, V]
@@ -89,6 +92,9 @@ def test_refusals(tmp_path):
         megatron.model_fields(args)
     args.num_experts, args.kv_channels = None, 16
     with pytest.raises(ValueError, match="args.kv_channels=16 is not supported"):
+        megatron.model_fields(args)
+    args.kv_channels, args.qk_l2_norm = None, True
+    with pytest.raises(ValueError, match="args.qk_l2_norm=True is not supported"):
         megatron.model_fields(args)
     with pytest.raises(ValueError, match="has no place in megafp8's model"):
         megatron.canonical_tensors({"decoder.layers.0.mlp.router.weight": torch.ones(2)}, 2, 1, "")
