@@ -65,6 +65,13 @@ TABLE = [
     ),
     _f("deterministic-mode", "switch", "map", "deterministic kernels (--deterministic)"),
     _f(
+        "use-checkpoint-args",
+        "switch",
+        "map",
+        "the model's shape from the --load checkpoint (as Megatron-LM: the sizes where no flag "
+        "gives them, the rest always)",
+    ),
+    _f(
         "use-rotary-position-embeddings",
         "switch",
         "map",
@@ -307,8 +314,64 @@ def resolve(given: dict, values: dict) -> list[str]:
         values["virtual_pipeline_model_parallel_size"] = _virtual(
             given["num_layers_per_virtual_pipeline_stage"], values
         )
+    if given.get("use_checkpoint_args"):
+        notices.extend(_checkpoint_args(values))
     _checks(given, values)
     return notices
+
+
+# --use-checkpoint-args, as Megatron-LM's load_args_from_checkpoint: sizes are taken from the
+# checkpoint where no flag gives them; the rest replace the flags' values (the vocab, the norm's
+# epsilon and the dispatcher are taken here too, where no flag gives them)
+FROM_CHECKPOINT_IF_NOT_GIVEN = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+    "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "norm_epsilon",
+    "moe_token_dispatcher_type",
+)  # fmt: skip
+FROM_CHECKPOINT = (
+    "num_query_groups", "position_embedding_type", "rotary_base", "use_rope_scaling",
+    "rope_scaling_factor", "add_bias_linear", "add_qkv_bias", "swiglu",
+    "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "qk_layernorm",
+    "attention_dropout", "hidden_dropout", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
+    "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+)  # fmt: skip
+
+
+def _checkpoint_args(values: dict) -> list[str]:
+    """Fill ``values`` with the model fields of the checkpoint the run loads; one line saying
+    what was taken (or why nothing was)."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    from megafp8.checkpoint import load_tag
+
+    load = values.get("load")
+    if not load:
+        return ["--use-checkpoint-args: no --load, the flags are used"]
+    t = SimpleNamespace(
+        ckpt_step=values.get("ckpt_step"),
+        exit_on_missing_checkpoint=values.get("exit_on_missing_checkpoint"),
+    )
+    tag = load_tag(t, load) if os.path.isdir(load) else None
+    if tag is None:
+        return [f"--use-checkpoint-args: no checkpoint in {load}, the flags are used"]
+    path = os.path.join(load, tag, "megafp8.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--use-checkpoint-args: {path} is not readable ({exc!r})") from None
+    taken = []
+    for name in FROM_CHECKPOINT_IF_NOT_GIVEN + FROM_CHECKPOINT:
+        if name not in saved or (name in FROM_CHECKPOINT_IF_NOT_GIVEN and name in values):
+            continue
+        if _get(values, name) != saved[name]:  # what the run would have had otherwise
+            taken.append(f"{name}={saved[name]!r}")
+        values[name] = saved[name]
+    return [f"--use-checkpoint-args: from {path}: " + (", ".join(taken) or "the flags' values")]
 
 
 def _virtual(n: int, values: dict) -> int:

@@ -368,3 +368,45 @@ def test_common_script_flags_are_taken_or_noticed():
 def test_common_script_flags_refused_in_one_line(flags, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
         _parse("--mock-data " + flags)
+
+
+def _save_one_iteration(cfg):
+    from tests.helpers.tiny import train_losses
+
+    return train_losses(cfg)
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
+    """--use-checkpoint-args (Megatron-LM's): the sizes where no flag gives them, the rest of the
+    model always, from the checkpoint --load names; the run then loads and trains on."""
+    from megafp8.build import check_inputs
+    from tests.helpers.dist import run_distributed
+    from tests.helpers.tiny import tiny_config
+
+    ck = str(tmp_path / "ck")
+    model = dict(num_layers=3, swiglu=True, num_query_groups=2, qk_layernorm=True,
+                 position_embedding_type="rope", normalization="RMSNorm", rotary_base=5e5,
+                 add_bias_linear=False)  # fmt: skip
+    saved = tiny_config(model=model, train=dict(train_iters=2, save=ck))
+    run_distributed(_save_one_iteration, 1, saved)
+    base = (f"--mock-data --load {ck} --use-checkpoint-args --micro-batch-size 2 "
+            "--global-batch-size 8 --train-iters 3 --normalization LayerNorm --seed 7")  # fmt: skip
+    cfg, notices = _parse(base)
+    from megafp8.megatron_compat import FROM_CHECKPOINT, FROM_CHECKPOINT_IF_NOT_GIVEN
+
+    for name in FROM_CHECKPOINT + FROM_CHECKPOINT_IF_NOT_GIVEN:  # none given but LayerNorm
+        assert getattr(cfg.model, name) == getattr(saved.model, name), name
+    assert len(notices) == 1 and "--use-checkpoint-args: from " in notices[0]
+    assert "normalization='RMSNorm'" in notices[0] and "num_layers=3" in notices[0]
+    check_inputs(cfg)  # the checkpoint's shape: compatible
+    losses = run_distributed(_save_one_iteration, 1, cfg)[0]
+    assert len(losses) == 1  # iteration 3, after the two saved
+    cfg, _ = _parse(base + " --num-layers 5")  # a size given wins, as in Megatron-LM
+    assert cfg.model.num_layers == 5 and cfg.model.qk_layernorm
+    with pytest.raises(ValueError, match="num_layers=3"):
+        check_inputs(cfg)  # and the checkpoint says it does not fit
+    _, notices = _parse(f"--mock-data --use-checkpoint-args --load {tmp_path / 'none'}")
+    assert notices == [f"--use-checkpoint-args: no checkpoint in {tmp_path / 'none'}, "
+                       "the flags are used"]  # fmt: skip
+    _, notices = _parse("--mock-data --use-checkpoint-args")
+    assert notices == ["--use-checkpoint-args: no --load, the flags are used"]
