@@ -95,6 +95,18 @@ TABLE = [
     _f("kv-channels", int, "check", "must equal hidden_size / num_attention_heads"),
     _f("rotary-percent", float, "check", "must be 1.0 (the whole head dim rotates)"),
     _f("context-parallel-size", int, "check", "must be 1: context parallelism is not available"),
+    _f(
+        "expert-tensor-parallel-size",
+        int,
+        "check",
+        "must be 1: each TP rank holds its experts whole (split over EP only)",
+    ),
+    _f(
+        "num-distributed-optimizer-instances",
+        int,
+        "check",
+        "must be 1: one ZeRO optimizer over the data-parallel group",
+    ),
     # accepted, no effect here
     _f("use-mcore-models", "switch", "notice", "the only model here"),
     _f(
@@ -175,6 +187,19 @@ TABLE = [
     ),
     _f("num-dataset-builder-threads", int, "notice", "one process per node builds the index"),
     _f("enable-cuda-graph", "switch", "notice", "kernels are launched without CUDA graphs"),
+    _f(
+        "moe-router-dtype",
+        str,
+        "notice",
+        "the router's logits and probabilities are fp32 here (fp32 only; the experts' outputs "
+        "are weighted in the activation dtype)",
+    ),
+    _f("moe-permute-fusion", "switch", "notice", "the token permutation is torch's"),
+    _f("moe-shared-expert-overlap", "switch", "notice", "the shared expert is not overlapped"),
+    _f("moe-per-layer-logging", "switch", "notice", "per-layer MoE scalars are always written"),
+    _f("keep-fp8-transpose-cache", "switch", "notice", "TE's weight cache decides"),
+    _f("check-weight-hash-across-dp-replicas-interval", int, "notice", "not checked"),
+    _f("record-memory-history", "switch", "notice", "use --profile"),
     _f("cuda-graph-impl", str, "notice", "kernels are launched without CUDA graphs"),
     _f(
         "distribute-saved-activations",
@@ -212,6 +237,47 @@ TABLE = [
         "gradients and optimizer states",
     ),
     _f("use-legacy-models", "switch", "refuse", "the model here is the Megatron Core one"),
+    _f(
+        "use-megatron-fsdp",
+        "switch",
+        "refuse",
+        "data parallelism here is DeepSpeed ZeRO: --zero-stage 3 shards parameters, "
+        "gradients and optimizer states",
+    ),
+    _f(
+        "data-parallel-sharding-strategy",
+        str,
+        "refuse",
+        "data parallelism here is DeepSpeed ZeRO: --zero-stage 1, 2 or 3",
+    ),
+    _f(
+        "pipeline-model-parallel-layout",
+        str,
+        "refuse",
+        "stages hold equal layers: --decoder-first-pipeline-num-layers and "
+        "--decoder-last-pipeline-num-layers make the first and last ones uneven",
+    ),
+    _f(
+        "account-for-embedding-in-pipeline-split",
+        "switch",
+        "refuse",
+        "use --decoder-first-pipeline-num-layers to give the first stage fewer layers",
+    ),
+    _f(
+        "account-for-loss-in-pipeline-split",
+        "switch",
+        "refuse",
+        "use --decoder-last-pipeline-num-layers to give the last stage fewer layers",
+    ),
+    _f(
+        "moe-router-topk-scaling-factor",
+        float,
+        "refuse",
+        "not available: the routing weights are the router's probabilities",
+    ),
+    _f("moe-router-num-groups", int, "refuse", "group-limited routing is not available"),
+    _f("moe-router-group-topk", int, "refuse", "group-limited routing is not available"),
+    _f("window-size", str, "refuse", "sliding-window attention is not available"),
 ]
 
 BY_DEST = {f.name.replace("-", "_"): f for f in TABLE}
@@ -417,6 +483,13 @@ def _checks(given: dict, values: dict) -> None:
     mg = given.get("main_grads_dtype")
     if mg is not None and mg not in ("fp32", "bf16"):
         raise ValueError(f"--main-grads-dtype {mg}: {BY_DEST['main_grads_dtype'].help}")
+    for name in ("expert_tensor_parallel_size", "num_distributed_optimizer_instances"):
+        got = given.get(name)
+        if got is not None and got != 1:
+            raise ValueError(f"--{name.replace('_', '-')} {got}: {BY_DEST[name].help}")
+    rd = given.get("moe_router_dtype")
+    if rd is not None and rd != "fp32":
+        raise ValueError(f"--moe-router-dtype {rd}: only fp32 (the router's dtype here)")
     cp = given.get("context_parallel_size")
     if cp is not None and cp != 1:
         raise ValueError(f"--context-parallel-size {cp}: context parallelism is not available")

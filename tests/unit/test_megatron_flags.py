@@ -319,6 +319,10 @@ COMMON = (
     " --exit-on-missing-checkpoint --lr-decay-style WSD --lr-wsd-decay-samples 80"
     " --global-batch-size 8 --cross-entropy-fusion-impl te --num-dataset-builder-threads 4"
     " --enable-cuda-graph --cuda-graph-impl local --use-rotary-position-embeddings"
+    " --expert-tensor-parallel-size 1 --num-distributed-optimizer-instances 1"
+    " --moe-router-dtype fp32 --moe-permute-fusion --moe-shared-expert-overlap"
+    " --moe-per-layer-logging --keep-fp8-transpose-cache"
+    " --check-weight-hash-across-dp-replicas-interval 100 --record-memory-history"
 )
 
 
@@ -334,7 +338,8 @@ def test_common_script_flags_are_taken_or_noticed():
              "--dist-ckpt-format", "--deterministic-mode", "--exit-interval", "--exp-avg-dtype",
              "--exp-avg-sq-dtype", "--log-params-norm", "--exit-on-missing-checkpoint",
              "--lr-decay-style", "--lr-wsd-decay-samples", "--global-batch-size",
-             "--use-rotary-position-embeddings"}  # fmt: skip
+             "--use-rotary-position-embeddings", "--expert-tensor-parallel-size",
+             "--num-distributed-optimizer-instances"}  # fmt: skip
     assert noticed == given - taken
     assert all("has no effect here: " in n for n in notices)
     cfg, _ = _parse("--mock-data --use-dist-ckpt --ckpt-format torch")
@@ -363,6 +368,34 @@ def test_common_script_flags_are_taken_or_noticed():
             "--use-torch-fsdp2: data parallelism here is DeepSpeed ZeRO: --zero-stage 3",
         ),
         ("--use-legacy-models", "--use-legacy-models: the model here is the Megatron Core one"),
+        ("--use-megatron-fsdp", "--use-megatron-fsdp: data parallelism here is DeepSpeed ZeRO"),
+        (
+            "--data-parallel-sharding-strategy optim_grads_params",
+            "--data-parallel-sharding-strategy: data parallelism here is DeepSpeed ZeRO",
+        ),
+        (
+            "--pipeline-model-parallel-layout Et|tL",
+            "--pipeline-model-parallel-layout: stages hold equal layers: "
+            "--decoder-first-pipeline-num-layers",
+        ),
+        (
+            "--account-for-embedding-in-pipeline-split",
+            "--account-for-embedding-in-pipeline-split: use --decoder-first-pipeline-num-layers",
+        ),
+        (
+            "--account-for-loss-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split: use --decoder-last-pipeline-num-layers",
+        ),
+        ("--moe-router-topk-scaling-factor 2.5", "--moe-router-topk-scaling-factor: not available"),
+        ("--moe-router-num-groups 8", "--moe-router-num-groups: group-limited routing"),
+        ("--moe-router-group-topk 4", "--moe-router-group-topk: group-limited routing"),
+        ("--window-size 4096,0", "--window-size: sliding-window attention is not available"),
+        ("--expert-tensor-parallel-size 2", "--expert-tensor-parallel-size 2: must be 1"),
+        (
+            "--num-distributed-optimizer-instances 2",
+            "--num-distributed-optimizer-instances 2: must be 1",
+        ),
+        ("--moe-router-dtype fp64", "--moe-router-dtype fp64: only fp32"),
     ],
 )
 def test_common_script_flags_refused_in_one_line(flags, message):
