@@ -233,7 +233,7 @@ def latest_tag(load_dir: str) -> str | None:
 # what a checkpoint's shards depend on: (section, field); a run loading it must agree
 SHAPE = [("model", f) for f in (
     "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-    "ffn_hidden_size", "position_embedding_type", "normalization", "swiglu",
+    "ffn_hidden_size", "position_embedding_type", "normalization", "swiglu", "squared_relu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "apply_layernorm_1p",
     "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size",

@@ -44,6 +44,7 @@ class ModelConfig:
     )
     norm_epsilon: float = _f(1e-5, "epsilon of the norms")
     swiglu: bool = _f(False, "SwiGLU MLP (gate and up projections) instead of GELU")
+    squared_relu: bool = _f(False, "squared ReLU MLP, relu(x)^2, instead of GELU (Nemotron)")
     untie_embeddings_and_output_weights: bool = _f(
         False, "a separate output layer instead of the embedding's transpose"
     )

@@ -228,7 +228,6 @@ TABLE = [
         "the lr schedule follows this run's flags: give the saved run's schedule flags",
     ),
     _f("rotary-interleaved", "switch", "refuse", "RoPE here rotates halves (Megatron's default)"),
-    _f("squared-relu", "switch", "refuse", "the MLP is GELU, or SwiGLU with --swiglu"),
     _f(
         "use-torch-fsdp2",
         "switch",
@@ -396,7 +395,7 @@ FROM_CHECKPOINT_IF_NOT_GIVEN = (
 )  # fmt: skip
 FROM_CHECKPOINT = (
     "num_query_groups", "position_embedding_type", "rotary_base", "use_rope_scaling",
-    "rope_scaling_factor", "add_bias_linear", "add_qkv_bias", "swiglu",
+    "rope_scaling_factor", "add_bias_linear", "add_qkv_bias", "swiglu", "squared_relu",
     "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "qk_layernorm",
     "attention_dropout", "hidden_dropout", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
     "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",

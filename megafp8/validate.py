@@ -138,6 +138,8 @@ def _model(cfg: Config, e: list[str]) -> None:
         e.append(f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp}")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         e.append(f"rope needs an even head dim; hidden_size/num_attention_heads = {m.head_dim}")
+    if m.swiglu and m.squared_relu:
+        e.append("swiglu=True and squared_relu=True: the MLP has one activation")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         e.append(f"use_rope_scaling needs rope, got {m.position_embedding_type}")
     if m.use_rope_scaling and not m.rope_scaling_factor >= 1.0:

@@ -134,7 +134,7 @@ class TEFusedMLP(nn.Module):
             bias=m.add_bias_linear,
             normalization=m.normalization,
             zero_centered_gamma=m.apply_layernorm_1p,
-            activation="swiglu" if m.swiglu else "gelu",
+            activation="swiglu" if m.swiglu else "srelu" if m.squared_relu else "gelu",
             return_bias=tp > 1,  # tp 1: fc2's bias in its GEMM's epilogue
             params_dtype=dtype,
             device=device or "cuda",

@@ -62,6 +62,8 @@ def check_exportable(m: ModelConfig, family: str) -> None:
             _refuse(family, f"seq_length={m.seq_length} > max_position_embeddings")
     else:
         raise ValueError(f"family={family!r}: one of {FAMILIES}")
+    if m.squared_relu:
+        _refuse(family, "squared_relu=True (a squared ReLU MLP)")
     if m.qk_layernorm and family != "qwen3":
         _refuse(family, "qk_layernorm=True (a q and a k norm: --family qwen3)")
     if family == "qwen3" and not m.qk_layernorm:

@@ -16,7 +16,7 @@ The model's shape comes from the saved ``args``: they are Megatron-LM's flags, w
 megafp8's config fields. The tensor layouts are the same as megafp8's: the QKV rows grouped per
 kv head (its query heads, then k, then v), the SwiGLU fc1 as [gate; up], the vocab padded to
 ``padded_vocab_size`` rows. What megafp8's model cannot build (experts, MLA, an L2 QK norm, partial
-or interleaved RoPE, a head size other than hidden / heads, another activation) is refused with
+or interleaved RoPE, a head size other than hidden / heads, quick GeGLU) is refused with
 one line naming the argument. The pickled ``args`` come from the user's own checkpoint and are
 read with ``pickle`` (classes of Megatron-LM become plain placeholders): as with any ``.pt``
 file, load only checkpoints you trust.
@@ -193,8 +193,8 @@ def model_fields(args, path: str = "the checkpoint") -> dict:
     refuse("rotary_interleaved", lambda v: not v)
     refuse("rotary_percent", lambda v: v in (None, 1.0))
     refuse("rotary_seq_len_interpolation_factor", lambda v: v in (None, 1, 1.0))
-    refuse("squared_relu", lambda v: not v)
     refuse("mtp_num_layers", lambda v: not v)
+    refuse("quick_geglu", lambda v: not v)
     refuse("decoder_first_pipeline_num_layers", lambda v: v is None)
     refuse("position_embedding_type", lambda v: v in (None, "learned_absolute", "rope"))
     refuse("normalization", lambda v: v in (None, "LayerNorm", "RMSNorm"))
@@ -216,6 +216,7 @@ def model_fields(args, path: str = "the checkpoint") -> dict:
         normalization=_arg(args, "normalization") or "LayerNorm",
         norm_epsilon=float(_arg(args, "norm_epsilon", 1e-5)),
         swiglu=bool(_arg(args, "swiglu", False)),
+        squared_relu=bool(_arg(args, "squared_relu", False)),
         untie_embeddings_and_output_weights=bool(
             _arg(args, "untie_embeddings_and_output_weights", False)
         ),

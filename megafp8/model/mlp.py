@@ -1,4 +1,5 @@
-"""MLP split by the ffn dim over TP: column-parallel fc1 (GELU or SwiGLU), row-parallel fc2."""
+"""MLP split by the ffn dim over TP: column-parallel fc1 (GELU, SwiGLU or squared ReLU),
+row-parallel fc2."""
 
 from __future__ import annotations
 
@@ -10,8 +11,20 @@ from megafp8.parallel import mappings as M
 from megafp8.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+def activate(h: torch.Tensor, m) -> torch.Tensor:
+    """The MLP's activation of fc1's output: SwiGLU silu(gate) * up on [gate | up], squared
+    ReLU relu(h)^2, or GELU (tanh)."""
+    if m.swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if m.squared_relu:
+        return F.relu(h).square()
+    return F.gelu(h, approximate="tanh")
+
+
 class MLP(nn.Module):
-    """fc2(act(fc1(x))) with act GELU (tanh), or SwiGLU: silu(x W_gate^T) * (x W_up^T).
+    """fc2(act(fc1(x))) with act GELU (tanh), squared ReLU, or SwiGLU: silu(x W_gate^T) *
+    (x W_up^T).
 
     Shards: this TP rank holds ffn / tp rows of fc1 (for SwiGLU its chunk of both the gate and the
     up halves of [gate; up]) and the matching ffn / tp columns of fc2, whose partial outputs are
@@ -25,7 +38,7 @@ class MLP(nn.Module):
         m = cfg.model
         tp_group, tp = groups.tp_group, M.world(groups.tp_group)
         r = M.rank_in(tp_group)
-        self.swiglu = m.swiglu
+        self.m = m
         kw = dict(
             backend=backend,
             tp_group=tp_group,
@@ -64,9 +77,4 @@ class MLP(nn.Module):
 
     def forward(self, x):  # x: [s(/tp), b, h] -> [s(/tp), b, h]
         h = self.fc1(x)  # [s, b, ffn/tp (x2 for swiglu)]
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)  # each [s, b, ffn/tp]
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
+        return self.fc2(activate(h, self.m))

@@ -8,9 +8,9 @@ names, and mark each weight with that name.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megafp8.model.mlp import activate
 from megafp8.parallel.layers import full_normal, mark_full, param_seed
 from megafp8.parallel.mappings import SOLO
 
@@ -32,12 +32,12 @@ def _linear(backend, n_in, n_out, *, name, std, seed, bias, fp8, dtype, device):
 
 
 class Expert(nn.Module):
-    """fc2(act(fc1(x))) on [n, h] rows; SwiGLU: fc1 = [gate; up]."""
+    """fc2(act(fc1(x))) on [n, h] rows (``mlp.activate``); SwiGLU: fc1 = [gate; up]."""
 
     def __init__(self, cfg, ffn: int, *, backend, name, seed, fp8, dtype, device):
         super().__init__()
         m = cfg.model
-        self.swiglu = m.swiglu
+        self.m = m
         kw = dict(seed=seed, bias=m.add_bias_linear, fp8=fp8, dtype=dtype, device=device)
         out1 = 2 * ffn if m.swiglu else ffn
         std2 = m.init_method_std / (2.0 * m.num_layers) ** 0.5
@@ -46,13 +46,7 @@ class Expert(nn.Module):
         self.fc2 = _linear(backend, ffn, m.hidden_size, name=f"{name}.fc2", std=std2, **kw)
 
     def forward(self, x):  # [n, h] -> [n, h]
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
+        return self.fc2(activate(self.fc1(x), self.m))
 
 
 class GroupedExperts(nn.Module):
@@ -62,7 +56,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg, ffn: int, *, backend, names, seed, fp8, dtype, device):
         super().__init__()
         m = cfg.model
-        self.swiglu, n, bias = m.swiglu, len(names), m.add_bias_linear
+        self.m, n, bias = m, len(names), m.add_bias_linear
         out1 = 2 * ffn if m.swiglu else ffn
         kw = dict(fp8=fp8, dtype=dtype, device=device)
         self.fc1 = backend.make_grouped_linear(n, m.hidden_size, out1, bias, **kw)
@@ -83,13 +77,7 @@ class GroupedExperts(nn.Module):
                     mark_full(lin.biases[i], f"{name}.{fc}.bias")
 
     def forward(self, x, splits: list[int]):  # [sum(splits), h] -> [sum(splits), h]
-        h = self.fc1(x, splits)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h, splits)
+        return self.fc2(activate(self.fc1(x, splits), self.m), splits)
 
 
 def run_experts(experts, rows, counts: list[int], wants: list[int]) -> torch.Tensor:

@@ -303,3 +303,15 @@ def test_mistral_config_imports_as_llama():
     assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
     with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
         families.model_config_from_hf(dict(as_dict, sliding_window=4096), 32)
+
+
+def test_squared_relu_has_no_family():
+    """No HF family here has a squared ReLU MLP: export refuses it in one line."""
+    from megafp8.hf import families
+
+    m = tiny_config(model=dict(MODELS["gpt2"], squared_relu=True)).model
+    with pytest.raises(ValueError, match="gpt2 cannot represent squared_relu=True"):
+        families.check_exportable(m, "gpt2")
+    m = tiny_config(model=dict(MODELS["qwen3"], swiglu=False, squared_relu=True)).model
+    with pytest.raises(ValueError, match="qwen3 cannot represent swiglu=False"):
+        families.check_exportable(m, "qwen3")

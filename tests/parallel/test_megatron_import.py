@@ -1,8 +1,8 @@
 """Megatron-LM checkpoints into megafp8 (``megafp8-hf from-megatron``). The fixtures were written
 by Megatron Core's own GPTModel and checkpoint code (``tests/fixtures/megatron/make.py``), with
-the logits it computed: a GPT-2 style model saved as torch_dist, a Llama style one (GQA,
-SwiGLU, RoPE, untied) and a Qwen3 style one (the same with --qk-layernorm) saved in the torch
-format. megafp8's model, filled from each checkpoint,
+the logits it computed: a GPT-2 style model and one with a squared ReLU MLP saved as torch_dist,
+a Llama style one (GQA, SwiGLU, RoPE, untied) and a Qwen3 style one (the same with
+--qk-layernorm) saved in the torch format. megafp8's model, filled from each checkpoint,
 must give Megatron Core's logits; the imported checkpoint trains at TP 2."""
 
 from __future__ import annotations
@@ -39,15 +39,17 @@ def _ours(name: str):
     return cfg, model.eval(), src
 
 
-@pytest.mark.parametrize("name", ["gpt_dist", "llama_torch", "qwen3_torch"])
+@pytest.mark.parametrize("name", ["gpt_dist", "llama_torch", "qwen3_torch", "srelu_dist"])
 def test_logits_equal_megatron_core(name):
     """Every tensor lands where Megatron Core had it: the logits equal its own on the same
     tokens (fp32 on both sides; the bound is rounding of sums taken in another order). The
     fixtures' 1-D weights (norms, q and k norms) were moved away from their init."""
     cfg, model, src = _ours(name)
-    assert src.format == {"gpt_dist": "torch_dist", "llama_torch": "torch"}.get(name, "torch")
-    assert src.iteration == {"gpt_dist": 3, "llama_torch": 2, "qwen3_torch": 1}[name]
+    assert src.format == ("torch_dist" if name.endswith("_dist") else "torch")
+    iteration = {"gpt_dist": 3, "llama_torch": 2, "qwen3_torch": 1, "srelu_dist": 4}
+    assert src.iteration == iteration[name]
     assert cfg.model.qk_layernorm == (name == "qwen3_torch")
+    assert cfg.model.squared_relu == (name == "srelu_dist")
     ref = REF[name]
     with torch.no_grad():
         ours = model(ref["tokens"]).transpose(0, 1)  # [b, s, V]

@@ -165,13 +165,15 @@ def _check_replicated_kv(kv):
     "tp,sp,kv,model",
     [
         (2, True, 2, dict(position_embedding_type="rope", normalization="RMSNorm")),
-        (4, False, 1, dict(apply_layernorm_1p=True)),  # k replicated over 4 ranks; LayerNorm 1p
+        # k replicated over 4 ranks; LayerNorm 1p; a squared ReLU MLP
+        (4, False, 1, dict(apply_layernorm_1p=True, squared_relu=True)),
     ],
-    ids=["tp2-sp-rope-rmsnorm", "tp4-kv1-layernorm1p"],
+    ids=["tp2-sp-rope-rmsnorm", "tp4-kv1-layernorm1p-srelu"],
 )
 def test_qk_layernorm_matches_single_process(tp, sp, kv, model):
     """--qk-layernorm: one q and one k norm weight serve every head; each rank's gradient covers
-    its own heads, and the sum over TP must equal one process's gradient (fp32)."""
+    its own heads, and the sum over TP must equal one process's gradient (fp32). The second case
+    also runs the squared ReLU MLP (--squared-relu) split over TP."""
     cfg = tiny_config(
         parallel=dict(tensor_model_parallel_size=tp, sequence_parallel=sp),
         model=dict(num_query_groups=kv, qk_layernorm=True, **model),

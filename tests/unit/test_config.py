@@ -76,6 +76,7 @@ BAD = [
         "needs lr_warmup_iters > 0, got 0",
     ),
     (dict(model=dict(use_rope_scaling=True)), 1, "use_rope_scaling needs rope, got learned"),
+    (dict(model=dict(swiglu=True, squared_relu=True)), 1, "the MLP has one activation"),
     (
         dict(
             model=dict(

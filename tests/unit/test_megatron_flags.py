@@ -362,7 +362,6 @@ def test_common_script_flags_are_taken_or_noticed():
         ("--no-save-rng", "--no-save-rng: checkpoints always hold the RNG"),
         ("--rotary-interleaved", "--rotary-interleaved: RoPE here rotates halves"),
         ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler: the lr"),
-        ("--squared-relu", "--squared-relu: the MLP is GELU, or SwiGLU with --swiglu"),
         (
             "--use-torch-fsdp2",
             "--use-torch-fsdp2: data parallelism here is DeepSpeed ZeRO: --zero-stage 3",
