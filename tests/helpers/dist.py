@@ -53,7 +53,7 @@ def _worker(rank, world_size, store_path, out_dir, fn, args, kwargs, environ):
 
 
 # imported once by the fork server (a module that fails to import is skipped by it)
-_PRELOAD = ["torch", "numpy", "deepspeed", "megafp8.train", "helpers.dist"]
+_PRELOAD = ["torch", "numpy", "deepspeed", "megafp8.train", "tests.helpers.dist"]
 _context = None
 
 
