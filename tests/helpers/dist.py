@@ -67,17 +67,11 @@ def _start_context():
         else:
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
-            saved = os.environ.get("DS_ACCELERATOR")
-            os.environ["DS_ACCELERATOR"] = "cpu"
-            try:
-                from multiprocessing import forkserver
+            from multiprocessing import forkserver
+            from unittest import mock
 
+            with mock.patch.dict(os.environ, DS_ACCELERATOR="cpu"):  # for the server alone
                 forkserver.ensure_running()
-            finally:
-                if saved is None:
-                    del os.environ["DS_ACCELERATOR"]
-                else:
-                    os.environ["DS_ACCELERATOR"] = saved
             _context = ctx
     return _context
 
