@@ -223,11 +223,23 @@ def dswiglu() -> dict:
     for name, fn in (("te_dswiglu_bgrad_quantize", te_two_kernels), ("triton_fused", ours)):
         out[name + "_ms"] = timed(fn)
         out[name + "_kernels_ms"] = kernel_ms(fn)
-    tiles = dsw._BM, dsw._BN, dsw._WARPS
-    for bm, bn, w in ((64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 2)):
-        dsw._BM, dsw._BN, dsw._WARPS = bm, bn, w
-        out[f"triton_fused_{bm}x{bn}_w{w}_kernels_ms"] = kernel_ms(ours)
-    dsw._BM, dsw._BN, dsw._WARPS = tiles
+    # the launch's variants: tiles and warps, the reciprocal (rcp_rn or div_rn), the transposed
+    # store (from tl.trans or Triton's own layout change), with and without the bias gradient;
+    # each compared with TE's bytes as the first-call check does, then timed
+    tiles = ((64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (32, 128, 4),
+             (128, 32, 4), (128, 128, 8))  # fmt: skip
+    variants = [(t, rcp, trans, False) for t in tiles for rcp in (True,) for trans in (False, True)]
+    variants += [((64, 64, 4), False, False, False), ((64, 64, 4), True, False, True)]
+    for (bm, bn, w), rcp, trans, bias in variants:
+        cfg = {"BM": bm, "BN": bn, "WARPS": w, "RCP": rcp, "TRANS": trans}
+        name = f"{bm}x{bn}_w{w}{'_rcp' if rcp else ''}{'_trans' if trans else ''}"
+        name += "_dbias" if bias else ""
+        try:
+            diff = dsw._same_bytes(g, x, quantizer(), bias_grad=bias, config=cfg) or "nothing"
+            ms = kernel_ms(lambda c=cfg, b=bias: dsw._fused(g, x, qo, bias_grad=b, config=c))
+            out["variant_" + name] = {"kernels_ms": ms, "differing_from_te": diff}
+        except Exception as e:  # a variant Triton cannot build
+            out["variant_" + name] = f"{type(e).__name__}: {str(e)[:200]}"
     return out
 
 

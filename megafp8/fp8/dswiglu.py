@@ -54,6 +54,9 @@ if _HAVE_TRITON:
         ROWWISE: tl.constexpr,
         COLWISE: tl.constexpr,
         FMAX: tl.constexpr,
+        DBIAS: tl.constexpr,  # write the column sums (fc1 has a bias)
+        RCP: tl.constexpr,  # 1 / y as the correctly rounded reciprocal (the same value as div_rn)
+        TRANS: tl.constexpr,  # the column-wise copy stored from an explicitly transposed tile
     ):
         pm = tl.program_id(0)
         pn = tl.program_id(1)
@@ -70,7 +73,10 @@ if _HAVE_TRITON:
         # TE's sigmoid, silu and dsilu: s = 1 / (1 + expf(-a)); dsilu = a * s (1 - s) + s (one
         # fused multiply-add, as nvcc contracts it); d_act = dsilu * g * gate; d_gate = g * silu
         one = tl.full([BM, BN], 1.0, tl.float32)
-        s = libdevice.div_rn(one, one + libdevice.exp(-a))
+        if RCP:
+            s = libdevice.rcp_rn(one + libdevice.exp(-a))
+        else:
+            s = libdevice.div_rn(one, one + libdevice.exp(-a))
         dsilu = tl.fma(a, s * (one - s), s)
         da = ((dsilu * g) * b).to(adt).to(tl.float32)
         db = (g * (a * s)).to(adt).to(tl.float32)
@@ -88,14 +94,22 @@ if _HAVE_TRITON:
             tl.store(oa, qa, mask=mask)
             tl.store(oa + N, qb, mask=mask)
         if COLWISE:
-            ta = out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None]
-            tb = out_t_ptr + (cols + N).to(tl.int64)[None, :] * M + rows[:, None]
-            tl.store(ta, qa, mask=mask)
-            tl.store(tb, qb, mask=mask)
-        cmask = cols < N
-        drow = dbias_ptr + pm.to(tl.int64) * (2 * N)
-        tl.store(drow + cols, tl.sum(da, 0), mask=cmask)
-        tl.store(drow + N + cols, tl.sum(db, 0), mask=cmask)
+            if TRANS:
+                tmask = (cols < N)[:, None] & (rows < M)[None, :]
+                ta = out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :]
+                tb = out_t_ptr + (cols + N).to(tl.int64)[:, None] * M + rows[None, :]
+                tl.store(ta, tl.trans(qa), mask=tmask)
+                tl.store(tb, tl.trans(qb), mask=tmask)
+            else:
+                ta = out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None]
+                tb = out_t_ptr + (cols + N).to(tl.int64)[None, :] * M + rows[:, None]
+                tl.store(ta, qa, mask=mask)
+                tl.store(tb, qb, mask=mask)
+        if DBIAS:
+            cmask = cols < N
+            drow = dbias_ptr + pm.to(tl.int64) * (2 * N)
+            tl.store(drow + cols, tl.sum(da, 0), mask=cmask)
+            tl.store(drow + N + cols, tl.sum(db, 0), mask=cmask)
         if (pm == 0) & (pn == 0):  # TE's scale_inv: 1 / scale, correctly rounded
             zero = tl.zeros([BN], tl.int32)
             sc = tl.load(scale_ptr + zero)
@@ -103,7 +117,8 @@ if _HAVE_TRITON:
             tl.store(scale_inv_ptr + zero, inv, mask=tl.arange(0, BN) == 0)
 
 
-_BM, _BN, _WARPS = 64, 64, 4
+# the launch: tile rows and columns, warps, the reciprocal by rcp_rn, the transposed store
+CONFIG = {"BM": 64, "BN": 64, "WARPS": 4, "RCP": False, "TRANS": False}
 
 _installed: dict = {}
 
@@ -142,7 +157,9 @@ def _te(grad, x, quantizer):
     return tex.bgrad_quantize(tex.dswiglu(grad, x, None), quantizer)
 
 
-def _fused(grad, x, quantizer):
+def _fused(grad, x, quantizer, bias_grad=True, config=None):
+    """The kernel: (bias gradient or None without ``bias_grad``, FP8 gradient)."""
+    c = {**CONFIG, **(config or {})}
     n = grad.shape[-1]
     g2 = grad.reshape(-1, n).contiguous()
     x2 = x.reshape(-1, 2 * n).contiguous()
@@ -155,8 +172,9 @@ def _fused(grad, x, quantizer):
     col = getattr(out, "_transpose", None) is not None
     data = out._data.view(f8) if row else torch.empty(0, dtype=f8, device=x.device)
     data_t = out._transpose.view(f8) if col else data
-    grid = (triton.cdiv(m, _BM), triton.cdiv(n, _BN))
-    partial = torch.empty(grid[0], 2 * n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, c["BM"]), triton.cdiv(n, c["BN"]))
+    rows = grid[0] if bias_grad else 0
+    partial = torch.empty(rows, 2 * n, dtype=torch.float32, device=x.device)
     _dswiglu_cast_transpose_kernel[grid](
         g2,
         x2,
@@ -168,16 +186,19 @@ def _fused(grad, x, quantizer):
         out._scale_inv,
         m,
         n,
-        BM=_BM,
-        BN=_BN,
+        BM=c["BM"],
+        BN=c["BN"],
         ROWWISE=row,
         COLWISE=col,
         FMAX=torch.finfo(f8).max,
-        num_warps=_WARPS,
+        DBIAS=bias_grad,
+        RCP=c["RCP"],
+        TRANS=c["TRANS"],
+        num_warps=c["WARPS"],
     )
     if col:
         out._transpose_invalid = False
-    return partial.sum(0).to(x.dtype), out
+    return (partial.sum(0).to(x.dtype) if bias_grad else None), out
 
 
 def _scratch(quantizer, scale=None):
@@ -196,22 +217,22 @@ class Inconclusive(Exception):
     """The call's values cannot test the kernel (all zero, or not finite): check a later call."""
 
 
-def _compare(grad, x, qt, qf) -> list[str]:
-    (_, t), (_, f) = _te(grad, x, qt), _fused(grad, x, qf)
+def _compare(grad, x, qt, qf, **kw) -> list[str]:
+    (_, t), (_, f) = _te(grad, x, qt), _fused(grad, x, qf, **kw)
     parts = [("row-wise data", t._data, f._data), ("column-wise data", t._transpose, f._transpose),
              ("scale_inv", t._scale_inv, f._scale_inv), ("amax", qt.amax, qf.amax)]  # fmt: skip
     return [f"{name} ({int((a != b).sum())} of {a.numel()})"
             for name, a, b in parts if a is not None and not torch.equal(a, b)]  # fmt: skip
 
 
-def _same_bytes(grad, x, quantizer) -> str | None:
+def _same_bytes(grad, x, quantizer, **kw) -> str | None:
     """Both ways on this call's operands with scratch amaxes, at the run's scale and again at a
     power-of-two scale that puts this call's amax at the top of the FP8 range (at the run's scale
     small gradients may all round to zero, which any encoding writes alike): None when the FP8
     bytes, amax and scale_inv agree at both, else what differs. Raises ``Inconclusive`` for a
     call whose values are all zero or not finite."""
     qt = _scratch(quantizer)
-    bad = _compare(grad, x, qt, _scratch(quantizer))
+    bad = _compare(grad, x, qt, _scratch(quantizer), **kw)
     if bad:
         return ", ".join(bad)
     amax = float(qt.amax.max())
@@ -219,7 +240,7 @@ def _same_bytes(grad, x, quantizer) -> str | None:
         raise Inconclusive(f"amax {amax}")
     fmax = torch.finfo(_torch_fp8(quantizer)).max
     full = torch.full_like(quantizer.scale, 2.0 ** math.floor(math.log2(fmax / amax)))
-    again = _compare(grad, x, _scratch(quantizer, full), _scratch(quantizer, full))
+    again = _compare(grad, x, _scratch(quantizer, full), _scratch(quantizer, full), **kw)
     return ", ".join(f"{b} at scale {float(full.flatten()[0]):g}" for b in again) or None
 
 
@@ -256,7 +277,14 @@ def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
             )
     if not _checked[key]:
         return _te(grad, x, quantizer)
-    return _fused(grad, x, quantizer)
+    return _fused(grad, x, quantizer, bias_grad=_installed.get("bias_grad", True))
+
+
+def biased_mlp(bias: bool) -> None:
+    """Tell the kernel whether a te.LayerNormMLP built for the run has fc1 biases. Until every
+    MLP built said it had none, the kernel writes the bias gradient (TE drops it without a bias;
+    one MLP with a bias keeps it on for the process: the table is process-wide)."""
+    _installed["bias_grad"] = _installed.get("bias_grad", False) or bias
 
 
 def install(enabled: bool) -> bool:

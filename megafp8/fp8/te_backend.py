@@ -151,6 +151,7 @@ class TEBackend(Backend):
                                cache=self.cache)  # fmt: skip
 
     def make_fused_mlp(self, cfg, *, groups, layer, seed, fp8, dtype, device):
+        dswiglu.biased_mlp(cfg.model.add_bias_linear)  # no fc1 bias: no bias gradient to write
         return TEFusedMLP(
             cfg, backend=self, groups=groups, layer=layer, seed=seed, fp8=fp8, dtype=dtype,
             device=device,

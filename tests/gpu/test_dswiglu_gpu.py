@@ -36,6 +36,27 @@ def _quantizer(fmt, row=True, col=True):
     ],
 )
 def test_bytes_equal_te_two_kernels(shape, fmt, row, col):
+    _bytes_equal(shape, fmt, row, col)
+
+
+@pytest.mark.parametrize("bias_grad", [True, False])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"RCP": True, "TRANS": False},
+        {"RCP": False, "TRANS": True},
+        {"BM": 128, "BN": 64, "WARPS": 8},
+        {"BM": 64, "BN": 128, "WARPS": 4},
+        {"BM": 32, "BN": 128, "WARPS": 4, "TRANS": True},
+    ],
+)
+def test_every_launch_variant_writes_tes_bytes(config, bias_grad):
+    """The launch variants the kernel probe times (tiles, warps, the reciprocal, the transposed
+    store) write the same bytes; without the bias gradient none is returned."""
+    _bytes_equal((1040, 400), "e5m2", True, True, config=config, bias_grad=bias_grad)
+
+
+def _bytes_equal(shape, fmt, row, col, **kw):
     import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
     import transformer_engine_torch as tex
 
@@ -52,13 +73,16 @@ def test_bytes_equal_te_two_kernels(shape, fmt, row, col):
     assert dswiglu.available(g, x, qo)
     dact = tex.dswiglu(g, x, None)
     bt, t = tex.bgrad_quantize(dact, qt)
-    bo, o = dswiglu._fused(g, x, qo)  # the kernel itself, not the checked entry
+    bo, o = dswiglu._fused(g, x, qo, **kw)  # the kernel itself, not the checked entry
     if row:
         assert torch.equal(o._data, t._data)
     if col:
         assert torch.equal(o._transpose, t._transpose)
     assert torch.equal(o._scale_inv, t._scale_inv)
     assert torch.equal(qo.amax, qt.amax)
+    if not kw.get("bias_grad", True):
+        assert bo is None
+        return
     assert bo.dtype == bt.dtype and bo.shape == bt.shape
     # fp32 sums of the same bf16 values in two orders (each off by at most rows x 2^-24 of the
     # column's sum of magnitudes), each rounded once to bf16 (2^-9 relative)
@@ -92,6 +116,7 @@ def test_layernorm_mlp_same_bits_with_it(bias):
 
     def run(on: bool):
         dswiglu.install(on)
+        dswiglu.biased_mlp(bias)  # as the te backend says it: no fc1 bias, no bias gradient
         model = te.LayerNormMLP(256, 704, bias=bias, normalization="RMSNorm",
                                 activation="swiglu", params_dtype=torch.bfloat16)  # fmt: skip
         model.load_state_dict(mlp.state_dict())
@@ -115,6 +140,7 @@ def test_layernorm_mlp_same_bits_with_it(bias):
     finally:
         dswiglu.dswiglu_quantize = fused
         dswiglu.install(False)
+        dswiglu._installed.pop("bias_grad", None)
     for a, b in zip(mine[0], ref[0], strict=True):
         assert torch.equal(a, b)
     assert mine[1].keys() == ref[1].keys()

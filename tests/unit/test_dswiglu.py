@@ -113,7 +113,7 @@ def test_first_call_checks_the_kernel_against_te(monkeypatch, wrong):
         used.append("te")
         return _fp8(q, torch.arange(6))
 
-    def fused(g, x, q):
+    def fused(g, x, q, **kw):
         used.append("fused")
         if wrong == "raises":
             raise RuntimeError("no kernel")
@@ -146,7 +146,7 @@ def test_the_check_leaves_the_runs_amax_alone_and_starts_its_own_from_zero(monke
     seen = []
 
     def cast(amax):
-        def run(g, x, q):
+        def run(g, x, q, **kw):
             seen.append(float(q.amax))
             return _fp8(q, torch.arange(6), amax)
 
@@ -184,7 +184,7 @@ def _scale_dependent(wrong_above_one: bool):
     """A cast whose bytes are all zero at scale 1 (small gradients) and not above it; with
     ``wrong_above_one`` the kernel's bytes differ from TE's only there."""
 
-    def run(g, x, q):
+    def run(g, x, q, **kw):
         big = float(q.scale.flatten()[0]) > 1
         data = torch.arange(6) if big else torch.zeros(6, dtype=torch.int64)
         if big and wrong_above_one:
@@ -220,7 +220,7 @@ def test_a_call_with_nothing_to_compare_leaves_the_check_to_a_later_call(monkeyp
     used, amax = [], [0.0]
 
     def cast(name):
-        def run(g, x, q):
+        def run(g, x, q, **kw):
             used.append(name)
             return _fp8(q, torch.zeros(6, dtype=torch.int64), amax[0])
 
@@ -243,3 +243,29 @@ def test_a_call_with_nothing_to_compare_leaves_the_check_to_a_later_call(monkeyp
     assert used == ["te", "fused", "te", "fused", "fused"]
     assert dswiglu._checked == {(torch.bfloat16, torch.float8_e5m2): True}
     assert not [w for w in recwarn if "differs from TE" in str(w.message)]
+
+
+def test_the_bias_gradient_is_written_unless_every_mlp_built_has_no_fc1_bias(monkeypatch):
+    """TE drops fc1's bias gradient when the MLP has no bias: the kernel skips it only after the
+    backend said so for every MLP it built; one with a bias keeps it on for the process, and a
+    process that never said (a te.LayerNormMLP built directly) gets it."""
+    asked = []
+
+    def fused(g, x, q, bias_grad=True, config=None):
+        asked.append(bias_grad)
+        return ("dbias" if bias_grad else None), g
+
+    monkeypatch.setattr(dswiglu, "available", lambda *a: True)
+    monkeypatch.setattr(dswiglu, "_fused", fused)
+    monkeypatch.setattr(dswiglu, "_checked", {(torch.bfloat16, torch.float8_e5m2): True})
+    monkeypatch.setattr(dswiglu, "_installed", {})
+    g, x = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16)
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), "E5M2")
+    assert dswiglu.dswiglu_quantize(g, x, q)[0] == "dbias"  # never told: written
+    dswiglu.biased_mlp(False)
+    dswiglu.biased_mlp(False)
+    assert dswiglu.dswiglu_quantize(g, x, q)[0] is None
+    dswiglu.biased_mlp(True)
+    dswiglu.biased_mlp(False)  # built later without a bias: the biased one still needs it
+    assert dswiglu.dswiglu_quantize(g, x, q)[0] == "dbias"
+    assert asked == [True, False, True]
