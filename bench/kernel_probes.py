@@ -226,8 +226,9 @@ def dswiglu() -> dict:
     # the launch's variants: tiles and warps, the reciprocal (rcp_rn or div_rn), the transposed
     # store (from tl.trans or Triton's own layout change), with and without the bias gradient;
     # each compared with TE's bytes as the first-call check does, then timed
-    tiles = ((64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (32, 128, 4),
-             (128, 32, 4), (128, 128, 8))  # fmt: skip
+    tiles = ((64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8),
+             (128, 128, 8), (128, 128, 16), (32, 128, 4), (128, 32, 4), (256, 64, 8),
+             (64, 256, 8))  # fmt: skip
     variants = [(t, rcp, trans, False) for t in tiles for rcp in (True,) for trans in (False, True)]
     variants += [((64, 64, 4), False, False, False), ((64, 64, 4), True, False, True)]
     for (bm, bn, w), rcp, trans, bias in variants:
