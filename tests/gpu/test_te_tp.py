@@ -194,3 +194,37 @@ def test_te_amax_group_of_one_rank_keeps_its_own_scales():
         assert sorted(scales) == sorted(alone[rank])
         for key, v in scales.items():
             assert torch.equal(v, alone[rank][key]), (rank, key, v, alone[rank][key])
+
+
+@pytest.mark.parametrize("option,fused_mlp", [("qk_layernorm", False), ("squared_relu", True)])
+def test_qk_layernorm_and_squared_relu_on_the_te_backend(option, fused_mlp):
+    """``--qk-layernorm`` (RoPE, grouped queries) and ``--squared-relu`` on the te backend, bf16
+    without FP8 (the norms before TE's RoPE in place of the fused QKV-split kernel; TE's srelu in
+    the fused MLP): the same loss and gradients as the plain PyTorch backend's model built from
+    the same seeds, and at TP 2 (the q/k norm weights replicated, their gradients summed over TP)
+    the same as one process, to bf16 rounding (2e-2, as the TP test above)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    model = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64)
+    model[option] = True
+    if option == "qk_layernorm":
+        model.update(position_embedding_type="rope", num_query_groups=2, normalization="RMSNorm")
+    cfg = tiny_config(
+        model=model,
+        train=dict(micro_batch_size=4, bf16=True),
+        fp8=dict(fp8_format=None, fp8_backend="te", te_fused_mlp=fused_mlp),
+    )
+    plain_loss, plain, _ = run_distributed(
+        _loss_and_grads, 1, cfg.replace(fp8=dict(fp8_backend="torch")), 1
+    )[0]
+    loss, grads, _ = run_distributed(_loss_and_grads, 1, cfg, 1)[0]
+    assert set(grads) == set(plain)  # the same parameters, by their one-process names
+    if option == "qk_layernorm":
+        assert any("q_norm" in n for n in grads) and any("k_norm" in n for n in grads)
+    assert abs(loss - plain_loss) / plain_loss < 2e-3
+    errs = _errors(grads, plain)
+    assert max(errs.values()) < 2e-2, errs
+    tp_cfg = cfg.replace(parallel=dict(tensor_model_parallel_size=2))
+    for tp_loss, tp_grads, _ in run_distributed(_loss_and_grads, 2, tp_cfg, 2):
+        assert abs(tp_loss - loss) / loss < 2e-3
+        errs = _errors(tp_grads, grads)
+        assert max(errs.values()) < 2e-2, errs
