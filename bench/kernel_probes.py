@@ -229,12 +229,15 @@ def dswiglu() -> dict:
     tiles = ((64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8),
              (128, 128, 8), (128, 128, 16), (32, 128, 4), (128, 32, 4), (256, 64, 8),
              (64, 256, 8))  # fmt: skip
-    variants = [(t, rcp, trans, False) for t in tiles for rcp in (True,) for trans in (False, True)]
-    variants += [((64, 64, 4), False, False, False), ((64, 64, 4), True, False, True)]
-    for (bm, bn, w), rcp, trans, bias in variants:
-        cfg = {"BM": bm, "BN": bn, "WARPS": w, "RCP": rcp, "TRANS": trans}
-        name = f"{bm}x{bn}_w{w}{'_rcp' if rcp else ''}{'_trans' if trans else ''}"
-        name += "_dbias" if bias else ""
+    # every tile with rcp_rn, the saturation and no bias gradient, both stores; then one knob
+    # at a time at 64 x 64: div_rn, no saturation before the cast, the bias gradient
+    variants = [(t, True, trans, True, False) for t in tiles for trans in (False, True)]
+    variants += [((64, 64, 4), False, False, True, False), ((64, 64, 4), True, False, False, False),
+                 ((64, 64, 4), True, False, True, True)]  # fmt: skip
+    for (bm, bn, w), rcp, trans, clamp, bias in variants:
+        cfg = {"BM": bm, "BN": bn, "WARPS": w, "RCP": rcp, "TRANS": trans, "CLAMP": clamp}
+        name = f"{bm}x{bn}_w{w}{'_rcp' if rcp else '_div'}{'_trans' if trans else ''}"
+        name += ("" if clamp else "_noclamp") + ("_dbias" if bias else "")
         try:
             diff = dsw._same_bytes(g, x, quantizer(), bias_grad=bias, config=cfg) or "nothing"
             ms = kernel_ms(lambda c=cfg, b=bias: dsw._fused(g, x, qo, bias_grad=b, config=c))

@@ -57,6 +57,7 @@ if _HAVE_TRITON:
         DBIAS: tl.constexpr,  # write the column sums (fc1 has a bias)
         RCP: tl.constexpr,  # 1 / y as the correctly rounded reciprocal (the same value as div_rn)
         TRANS: tl.constexpr,  # the column-wise copy stored from an explicitly transposed tile
+        CLAMP: tl.constexpr,  # saturate before the cast (the cast itself saturates where it can)
     ):
         pm = tl.program_id(0)
         pn = tl.program_id(1)
@@ -85,8 +86,10 @@ if _HAVE_TRITON:
         scale = tl.load(scale_ptr)
         f8 = out_ptr.dtype.element_ty
         # saturate as TE's cast does (to the largest finite value; NaN stays NaN), round to nearest
-        pa = tl.clamp(da * scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-        pb = tl.clamp(db * scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        pa, pb = da * scale, db * scale
+        if CLAMP:
+            pa = tl.clamp(pa, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            pb = tl.clamp(pb, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
         qa = pa.to(f8, fp_downcast_rounding="rtne")
         qb = pb.to(f8, fp_downcast_rounding="rtne")
         if ROWWISE:
@@ -117,8 +120,9 @@ if _HAVE_TRITON:
             tl.store(scale_inv_ptr + zero, inv, mask=tl.arange(0, BN) == 0)
 
 
-# the launch: tile rows and columns, warps, the reciprocal by rcp_rn, the transposed store
-CONFIG = {"BM": 64, "BN": 64, "WARPS": 4, "RCP": False, "TRANS": False}
+# the launch: tile rows and columns, warps, the reciprocal by rcp_rn, the transposed store, the
+# saturation before the cast
+CONFIG = {"BM": 64, "BN": 64, "WARPS": 4, "RCP": False, "TRANS": False, "CLAMP": True}
 
 _installed: dict = {}
 
@@ -194,6 +198,7 @@ def _fused(grad, x, quantizer, bias_grad=True, config=None):
         DBIAS=bias_grad,
         RCP=c["RCP"],
         TRANS=c["TRANS"],
+        CLAMP=c["CLAMP"],
         num_warps=c["WARPS"],
     )
     if col:
