@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import warnings
 
 import torch
@@ -123,6 +124,35 @@ if _HAVE_TRITON:
 # the launch: tile rows and columns, warps, the reciprocal by rcp_rn, the transposed store, the
 # saturation before the cast
 CONFIG = {"BM": 64, "BN": 64, "WARPS": 4, "RCP": False, "TRANS": False, "CLAMP": True}
+LAUNCH_ENV = "MEGAFP8_DSWIGLU_LAUNCH"
+
+
+def parse_launch(spec: str) -> dict:
+    """``"BM=128,BN=64,WARPS=8,RCP=1"`` (``bench/kernel_probes.py --probes dswiglu`` prints the
+    fastest as such) -> the launch's keys and values; one line naming the bad part otherwise."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        key = key.strip().upper()
+        if key not in CONFIG or not value.strip().isdigit():
+            raise ValueError(
+                f"{LAUNCH_ENV}: '{part}' is not KEY=INTEGER with KEY one of {', '.join(CONFIG)}"
+            )
+        v = int(value)
+        if key in ("BM", "BN", "WARPS"):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{LAUNCH_ENV}: {key}={v} is not a power of two")
+            out[key] = v
+        else:
+            out[key] = bool(v)
+    return out
+
+
+def launch_spec(config: dict) -> str:
+    return ",".join(f"{k}={int(v)}" for k, v in config.items())
+
+
+CONFIG.update(parse_launch(os.environ.get(LAUNCH_ENV, "")))
 
 _installed: dict = {}
 

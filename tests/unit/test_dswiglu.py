@@ -269,3 +269,16 @@ def test_the_bias_gradient_is_written_unless_every_mlp_built_has_no_fc1_bias(mon
     dswiglu.biased_mlp(False)  # built later without a bias: the biased one still needs it
     assert dswiglu.dswiglu_quantize(g, x, q)[0] == "dbias"
     assert asked == [True, False, True]
+
+
+def test_the_launch_from_the_environment_is_checked_in_one_line():
+    assert dswiglu.parse_launch("BM=128, bn=64,WARPS=8,RCP=1,CLAMP=0") == {
+        "BM": 128, "BN": 64, "WARPS": 8, "RCP": True, "CLAMP": False
+    }  # fmt: skip
+    assert dswiglu.parse_launch("") == {}
+    assert dswiglu.parse_launch(dswiglu.launch_spec(dswiglu.CONFIG)) == dswiglu.CONFIG
+    bad = {"BM=x": "'BM=x' is not KEY=INTEGER", "TILE=4": "KEY one of BM, BN",
+           "BN=96": "BN=96 is not a power of two", "WARPS=0": "WARPS=0"}  # fmt: skip
+    for spec, says in bad.items():
+        with pytest.raises(ValueError, match=says):
+            dswiglu.parse_launch(spec)
