@@ -123,7 +123,7 @@ if _HAVE_TRITON:
 
 # the launch: tile rows and columns, warps, the reciprocal by rcp_rn, the transposed store, the
 # saturation before the cast
-CONFIG = {"BM": 64, "BN": 64, "WARPS": 4, "RCP": False, "TRANS": False, "CLAMP": True}
+CONFIG = {"BM": 32, "BN": 128, "WARPS": 4, "RCP": True, "TRANS": False, "CLAMP": True}
 LAUNCH_ENV = "MEGAFP8_DSWIGLU_LAUNCH"
 
 
@@ -307,7 +307,7 @@ def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
         if diff is not None:
             warnings.warn(
                 f"megafp8: the fused SwiGLU backward differs from TE's kernels ({diff}); "
-                "using TE's kernels (drop --te-fused-dswiglu to silence this)",
+                "using TE's kernels (--no-te-fused-dswiglu silences this)",
                 stacklevel=2,
             )
     if not _checked[key]:

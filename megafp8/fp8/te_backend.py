@@ -55,7 +55,7 @@ class TEBackend(Backend):
         amax_group,
         fused_norm: bool = True,
         fused_mlp: bool = False,
-        fused_dswiglu: bool = False,
+        fused_dswiglu: bool = True,
         attention_backend: str = "auto",
         weight_cache: bool = True,
         wgrad_fusion: bool = False,

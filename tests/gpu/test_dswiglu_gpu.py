@@ -165,7 +165,7 @@ def test_the_first_call_check_passes_without_a_warning(recwarn):
     assert not [w for w in recwarn if "differs from TE" in str(w.message)]
 
 
-def test_the_flag_puts_it_in_te_and_the_default_keeps_te():
+def test_the_default_puts_it_in_te_and_the_flag_takes_it_out():
     import transformer_engine.common.recipe as ter
     from transformer_engine.pytorch.module import layernorm_mlp as lm
 
@@ -178,9 +178,9 @@ def test_the_flag_puts_it_in_te_and_the_default_keeps_te():
         return lm._get_act_func_supported_list(ter.DelayedScaling())["swiglu"][2]
 
     try:
-        on = TEBackend(Fp8Recipe(), amax_group=SOLO, fused_mlp=True, fused_dswiglu=True)
+        on = TEBackend(Fp8Recipe(), amax_group=SOLO, fused_mlp=True)  # the default
         assert on.fuses_dswiglu and swiglu_bwd() is dswiglu.dswiglu_quantize
-        off = TEBackend(Fp8Recipe(), amax_group=SOLO, fused_mlp=True)  # the default
+        off = TEBackend(Fp8Recipe(), amax_group=SOLO, fused_mlp=True, fused_dswiglu=False)
         assert not off.fuses_dswiglu and swiglu_bwd() is None
         bf16 = TEBackend(None, amax_group=SOLO, fused_mlp=True, fused_dswiglu=True)
         assert not bf16.fuses_dswiglu and swiglu_bwd() is None
