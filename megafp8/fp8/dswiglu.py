@@ -12,9 +12,10 @@ the activation dtype before it is scaled), so that the FP8 bytes, the amax and `
 are TE's (tests/gpu/test_dswiglu_gpu.py compares them byte for byte). The bias gradient is a
 column sum in another order than TE's: equal to rounding, not byte for byte.
 
-Off by default (``--te-fused-dswiglu`` turns it on): on an H100 it writes TE's bytes and takes
-0.59 ms where TE's two kernels take 0.72, but a training iteration is not measurably faster
-(BENCHMARKS.md).
+On by default (``--no-te-fused-dswiglu`` keeps TE's kernels): on an H100 it writes TE's bytes
+and takes 0.511 ms where TE's two kernels take 0.726 at the Llama shape (BENCHMARKS.md).
+Without fc1 biases (the te backend says so through ``biased_mlp``) the bias gradient, which TE
+computes and drops, is not written.
 ``install(True)`` puts ``dswiglu_quantize`` in TE's table of fused activation backwards for
 delayed scaling (TE has fused ones for gelu, relu and silu there, none for swiglu); any other
 case (another quantizer, a CPU tensor, no Triton) takes TE's own two kernels inside it. Since
