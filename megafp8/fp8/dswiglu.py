@@ -297,9 +297,10 @@ def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
     if not available(grad, x, quantizer):
         return _te(grad, x, quantizer)
     key = (x.dtype, _torch_fp8(quantizer))
-    if key not in _checked:
+    bias_grad = _installed.get("bias_grad", True)
+    if key not in _checked:  # checks the launch the calls make (one compiled kernel)
         try:
-            diff = _same_bytes(grad, x, quantizer)
+            diff = _same_bytes(grad, x, quantizer, bias_grad=bias_grad)
         except (torch.cuda.OutOfMemoryError, Inconclusive):  # TE's now, check a later call
             return _te(grad, x, quantizer)
         except Exception as e:  # a Triton that cannot build it: TE's kernels
@@ -313,7 +314,7 @@ def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
             )
     if not _checked[key]:
         return _te(grad, x, quantizer)
-    return _fused(grad, x, quantizer, bias_grad=_installed.get("bias_grad", True))
+    return _fused(grad, x, quantizer, bias_grad=bias_grad)
 
 
 def biased_mlp(bias: bool) -> None:
