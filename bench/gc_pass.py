@@ -62,4 +62,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megafp8.run_hooks import end_process
+
+    end_process(main(sys.argv[1:]))

@@ -333,4 +333,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megafp8.run_hooks import end_process
+
+    end_process(main())

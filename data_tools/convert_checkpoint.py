@@ -76,6 +76,9 @@ def _spawned(rank: int, world: int, port: int, load: str, iteration: int | None)
 
     torch.set_num_threads(1)
     convert(load, iteration)
+    from megafp8.run_hooks import end_process
+
+    end_process(0)
 
 
 def main(argv=None) -> int:
@@ -104,4 +107,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megafp8.run_hooks import end_process
+
+    end_process(main())

@@ -33,10 +33,13 @@ Launch (the ``launch/*.sbatch`` scripts rely on these):
 - ``preflight``: on more than one rank, one small all-reduce with a timeout right after the
   process group starts (on GPUs also: no two ranks of a host on one device), so a missing rank or
   a blocked network is a one-line error naming the host and rank, not a silent hang.
+- ``end_process``: how every entry point that starts a process group exits once its work is
+  done: Python's exit without the interpreter's finalization (see its docstring).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import gc
@@ -45,7 +48,10 @@ import os
 import re
 import signal
 import socket
+import sys
+import threading
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -177,6 +183,34 @@ def exit_status(cfg, iteration: int, rank: int) -> int:
         except OSError as exc:  # the exit status still says it
             log.warning("MEGAFP8_REQUEUE_FILE: cannot write %s: %s", marker, exc)
     return EXIT_REQUEUE
+
+
+def end_process(status: int | None) -> NoReturn:
+    """End the process with ``status`` as Python's own exit does (non-daemon threads joined,
+    atexit handlers run: logging, multiprocessing, torch's compile workers; standard streams
+    flushed), then ``os._exit``: everything but the interpreter's finalization.
+
+    Why: the collective libraries keep C++ threads (gloo's workers, NCCL's watchdog) that may
+    still hold a finished collective, and with it a tensor Python made, a moment after the main
+    thread has moved on. When such a thread needs the GIL while Python 3.11-3.13 finalizes, it
+    is ended with ``pthread_exit``, which C++ turns into ``std::terminate``: a rank whose run
+    completed dies of SIGABRT ("terminate called without an active exception") and the
+    launcher reports the job failed. Skipping finalization leaves no such window; what it would
+    have done (freeing memory, closing sockets) the operating system does at exit."""
+    code = 0 if status is None else int(status)
+    try:
+        main = threading.main_thread()
+        for t in threading.enumerate():
+            if t is not main and t is not threading.current_thread() and not t.daemon:
+                t.join()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or broken stream: nothing more to say on it
+                pass
+        os._exit(code)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from megafp8.run_hooks import (
     RunHooks,
     Signals,
     check_launch,
+    end_process,
     exit_status,
     launch_env,
     preflight,
@@ -307,4 +308,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

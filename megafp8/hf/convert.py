@@ -23,6 +23,7 @@ import torch
 from megafp8.config import Config
 from megafp8.config_values import padded_vocab_size
 from megafp8.hf import families, io, layout
+from megafp8.run_hooks import end_process
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ def _worker(rank, world, store_path, cfg_dict, full_path, save_dir, source):
         write_rank(Config.from_dict(cfg_dict), full, save_dir, source)
     finally:
         dist.destroy_process_group()
+    end_process(0)  # a finished rank's exit: no interpreter finalization (its docstring)
 
 
 def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1, **model) -> Config:

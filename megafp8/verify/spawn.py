@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from megafp8.run_hooks import end_process
+
 JOB_TIMEOUT_S = 3600.0
 
 
@@ -84,6 +86,7 @@ def _worker(rank, world, store, out, device, threads, cfg, timeout_min):
             dist.destroy_process_group()
         except Exception:
             pass
+    end_process(0)  # the result is written; exit without the interpreter's finalization
 
 
 def _read(path: str):
