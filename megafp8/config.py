@@ -207,6 +207,10 @@ class Fp8Config:
         True, "te backend, fused MLP, delayed scaling: the SwiGLU backward and its FP8 cast and "
         "transpose in one Triton kernel (TE's bytes, checked on the first call)"
     )  # fmt: skip
+    te_norm_residual_add: bool = _f(
+        False, "te backend, fused RMSNorm, no TP: the residual's gradient added inside the "
+        "norm's backward (TE's rmsnorm_bwd_add) instead of by autograd after it"
+    )  # fmt: skip
     te_weight_cache: bool = _f(True, "te backend: weights cast to FP8 once per iteration")
     gradient_accumulation_fusion: bool = _f(
         True, "te backend, ZeRO-1: weight gradients accumulate inside their wgrad GEMM"

@@ -52,6 +52,7 @@ class Backend:
     fp8 = False
     fuses_norm = False
     fuses_mlp = False
+    norm_residual_add = False  # fp8/norm_residual.py: the block's add in the norm's backward
 
     def make_linear(
         self, in_features, out_features, bias, *, name, group, fp8=True, dtype, device=None
@@ -267,6 +268,7 @@ def build_backend(
             fused_norm=f.te_fused_norm,
             fused_mlp=f.te_fused_mlp,
             fused_dswiglu=f.te_fused_dswiglu,
+            norm_residual_add=f.te_norm_residual_add,
             attention_backend=attention_backend,
             weight_cache=f.te_weight_cache,
             wgrad_fusion=wgrad_fusion,

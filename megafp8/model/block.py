@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8.fp8 import norm_residual
 from megafp8.model.attention import SelfAttention
 from megafp8.model.mlp import MLP
 from megafp8.model.moe import MoELayer
@@ -92,6 +93,10 @@ class TransformerBlock(nn.Module):
             self.mlp = backend.make_fused_mlp(cfg, **fused)
         else:
             self.mlp = MLP(cfg, norm=norm, **kw)
+        # the residual's gradient added inside the fused RMSNorm's backward where the branch's
+        # first module holds that norm and takes x itself (no TP: fp8/norm_residual.py)
+        fold = backend.norm_residual_add and groups.tp == 1 and m.normalization == "RMSNorm"
+        self.fold = (bool(fold and attn_norm), bool(fold and fused2))
         self.p = cfg.model.hidden_dropout
         self.sp, self.rng = cfg.parallel.sequence_parallel, rng
 
@@ -112,5 +117,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:  # [s(/tp), b, h]
         norm1, norm2 = self._part("layernorm", self.norm1), self._part("layernorm", self.norm2)
-        x = x + self._drop(self.attn(norm1(x), rope, mask))
-        return x + self._drop(self._part("mlp", self.mlp)(norm2(x)))
+        x = self._add(0, x, self._drop(self.attn(norm1(x), rope, mask)))
+        return self._add(1, x, self._drop(self._part("mlp", self.mlp)(norm2(x))))
+
+    def _add(self, branch: int, x, y):
+        return norm_residual.residual_add(x, y) if self.fold[branch] else x + y
