@@ -1,4 +1,5 @@
-"""The residual gradient added inside the RMSNorm backward (te backend, ``--te-norm-residual-add``).
+"""The residual gradient added inside the RMSNorm backward (te backend, ``--te-norm-residual-add``,
+on by default; ``--no-te-norm-residual-add`` leaves the add to autograd).
 
 A pre-norm block computes ``h = x + branch(norm(x))``, where ``branch`` starts with a TE module
 that holds the norm (te.LayerNormLinear for the attention, te.LayerNormMLP for the MLP). In the
@@ -21,7 +22,8 @@ can take it.
 
 Only where nothing sits between ``x`` and the module's norm: the te backend's fused norm, RMSNorm,
 no TP (under TP the module's input gradient is all-reduced after the norm backward, which would
-sum ``dh`` over the ranks).
+sum ``dh`` over the ranks). Measured on an H100 (BENCHMARKS.md): 6.9 ms less per 8-layer Llama
+FP8 iteration (1278.9 against 1285.8 ms, four runs each).
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def install(enabled: bool) -> bool:
     """Wrap TE's ``rmsnorm_bwd`` (once per process) and switch the block's add on or off.
     Returns whether it is on: TE versions without ``rmsnorm_bwd_add`` keep autograd's add."""
     try:
+        import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
         import transformer_engine_torch as tex
-    except ImportError:
+    except Exception:  # no TE (or a broken install): autograd's add
         _state["on"] = False
         return False
     if not hasattr(tex, "rmsnorm_bwd_add"):

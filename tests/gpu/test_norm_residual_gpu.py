@@ -110,10 +110,10 @@ def _cfg(on: bool, norm="RMSNorm"):
 
 def test_the_flag_folds_both_adds_of_every_block_and_training_agrees():
     pytest.importorskip("transformer_engine.pytorch")
-    losses, grads, folds, counts = run_distributed(_train, 1, _cfg(True), 1)[0]
+    losses, grads, folds, counts = run_distributed(_train, 1, _cfg(True))[0]
     assert folds == [(True, True)] * 2
     assert counts == {"fused": 12, "late": 0}  # 2 layers x 2 norms x 3 backwards
-    ref_losses, ref, ref_folds, ref_counts = run_distributed(_train, 1, _cfg(False), 1)[0]
+    ref_losses, ref, ref_folds, ref_counts = run_distributed(_train, 1, _cfg(False))[0]
     assert ref_folds == [(False, False)] * 2 and ref_counts == {"fused": 0, "late": 0}
     assert losses[0] == ref_losses[0]  # the first forward is the same
     for a, b in zip(losses, ref_losses, strict=True):
@@ -124,5 +124,5 @@ def test_the_flag_folds_both_adds_of_every_block_and_training_agrees():
 
 def test_layernorm_keeps_autograds_add():
     pytest.importorskip("transformer_engine.pytorch")
-    _, _, folds, counts = run_distributed(_train, 1, _cfg(True, "LayerNorm"), 1)[0]
+    _, _, folds, counts = run_distributed(_train, 1, _cfg(True, "LayerNorm"))[0]
     assert folds == [(False, False)] * 2 and counts == {"fused": 0, "late": 0}
