@@ -208,7 +208,7 @@ class Fp8Config:
         "transpose in one Triton kernel (TE's bytes, checked on the first call)"
     )  # fmt: skip
     te_norm_residual_add: bool = _f(
-        False, "te backend, fused RMSNorm, no TP: the residual's gradient added inside the "
+        True, "te backend, fused RMSNorm, no TP: the residual's gradient added inside the "
         "norm's backward (TE's rmsnorm_bwd_add) instead of by autograd after it"
     )  # fmt: skip
     te_weight_cache: bool = _f(True, "te backend: weights cast to FP8 once per iteration")

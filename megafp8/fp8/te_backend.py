@@ -56,7 +56,7 @@ class TEBackend(Backend):
         fused_norm: bool = True,
         fused_mlp: bool = False,
         fused_dswiglu: bool = True,
-        norm_residual_add: bool = False,
+        norm_residual_add: bool = True,
         attention_backend: str = "auto",
         weight_cache: bool = True,
         wgrad_fusion: bool = False,
