@@ -189,6 +189,16 @@ def adamw() -> dict:
     torch.cuda.empty_cache()
     out["adamw_bf16_ms"] = timed(lambda: adamw_bf16.step(opt, grads, w16), 10)
     out["adamw_bf16_GB_per_s"] = 28 * n / out["adamw_bf16_ms"] / 1e6
+    # the launch's variants (elements per program, warps), kernel time from the profiler
+    default = dict(adamw_bf16.LAUNCH)
+    try:
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16),
+                             (8192, 8), (8192, 16), (16384, 16)):  # fmt: skip
+            adamw_bf16.LAUNCH.update(BLOCK=block, WARPS=warps)
+            ms = kernel_ms(lambda: adamw_bf16.step(opt, grads, w16))
+            out[f"variant_{block}_w{warps}"] = dict(kernels_ms=ms, GB_per_s=28 * n / ms / 1e6)
+    finally:
+        adamw_bf16.LAUNCH.update(default)
     return out
 
 

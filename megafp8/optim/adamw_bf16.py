@@ -72,7 +72,9 @@ if _HAVE_TRITON:
         tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-BLOCK = 2048
+# the launch: elements per program and warps (``bench/kernel_probes.py --probes adamw`` times
+# the alternatives on the card at hand)
+LAUNCH = {"BLOCK": 2048, "WARPS": 8}
 
 
 def available(device: torch.device) -> bool:
@@ -108,7 +110,8 @@ def _update(p, g, m, v, out, scal, scale, found, k) -> None:
     if p.device.type != "cuda":
         return _reference(p, g, m, v, out, scal, scale, found, k)
     n = p.numel()
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+    block = LAUNCH["BLOCK"]
+    _adamw_kernel[(triton.cdiv(n, block),)](
         p,
         g,
         m,
@@ -126,8 +129,8 @@ def _update(p, g, m, v, out, scal, scale, found, k) -> None:
         k["eps"],
         HAS_SCALE=scale is not None,
         HAS_FOUND=found is not None,
-        BLOCK=BLOCK,
-        num_warps=8,
+        BLOCK=block,
+        num_warps=LAUNCH["WARPS"],
     )
 
 
