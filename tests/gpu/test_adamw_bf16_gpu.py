@@ -51,6 +51,20 @@ def test_kernel_equals_the_torch_ops():
         assert torch.equal(gpu[4], gpu[0].bfloat16())  # the bf16 weights: the masters rounded
 
 
+@pytest.mark.parametrize("block,warps", [(1024, 4), (4096, 8), (8192, 16)])
+def test_every_launch_gives_the_same_bits(block, warps, monkeypatch):
+    """The launches kernel_probes times: each writes what the default launch writes, bit for bit
+    (elementwise arithmetic: the tiling changes no sum)."""
+    from megafp8.optim import adamw_bf16
+
+    default = _run("cuda", n=5 * 8192 + 3)
+    monkeypatch.setitem(adamw_bf16.LAUNCH, "BLOCK", block)
+    monkeypatch.setitem(adamw_bf16.LAUNCH, "WARPS", warps)
+    other = _run("cuda", n=5 * 8192 + 3)
+    for a, b in zip(default, other, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_kernel_equals_torch_fused_cuda_adamw():
     """Three steps, gradient scales 4, 1, 0.5 and the second withheld by found_inf."""
     from megafp8.optim import adamw_bf16
