@@ -40,6 +40,49 @@ if _HAVE_TRITON:
     from triton.language.extra import libdevice
 
     @triton.jit
+    def sigmoid(a, RCP: tl.constexpr):
+        """TE's sigmoid in fp32: 1 / (1 + expf(-a)), the reciprocal correctly rounded (rcp_rn,
+        or IEEE division with RCP off: the same value)."""
+        one = tl.zeros_like(a) + 1.0
+        if RCP:
+            return libdevice.rcp_rn(one + libdevice.exp(-a))
+        return libdevice.div_rn(one, one + libdevice.exp(-a))
+
+    @triton.jit
+    def to_fp8(y, scale, out_ptr, FMAX: tl.constexpr, CLAMP: tl.constexpr):
+        """``y * scale`` in ``out_ptr``'s FP8 format as TE's cast makes it: saturated to the
+        largest finite value (NaN stays NaN), rounded to nearest even."""
+        p = y * scale
+        if CLAMP:  # the cast itself saturates where it can
+            p = tl.clamp(p, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        return p.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def store_fp8(out_ptr, out_t_ptr, q, rows, cols, c0, ld, M, N,
+                  ROWWISE: tl.constexpr, COLWISE: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+        """The FP8 tile ``q`` at ``rows`` and columns ``c0 + cols`` (``cols < N``) of the
+        row-wise copy [M, ld] and of the column-wise one [ld, M] (TRANS: stored from an
+        explicitly transposed tile)."""
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        cc = c0 + cols
+        if ROWWISE:
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * ld + cc[None, :], q, mask=mask)
+        if COLWISE:
+            if TRANS:
+                tmask = (cols < N)[:, None] & (rows < M)[None, :]
+                t = out_t_ptr + cc.to(tl.int64)[:, None] * M + rows[None, :]
+                tl.store(t, tl.trans(q), mask=tmask)
+            else:
+                tl.store(out_t_ptr + cc.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
+
+    @triton.jit
+    def store_scale_inv(scale_ptr, scale_inv_ptr, BN: tl.constexpr):
+        """TE's scale_inv: 1 / scale, correctly rounded (one program writes it)."""
+        zero = tl.zeros([BN], tl.int32)
+        inv = libdevice.div_rn(tl.full([BN], 1.0, tl.float32), tl.load(scale_ptr + zero))
+        tl.store(scale_inv_ptr + zero, inv, mask=tl.arange(0, BN) == 0)
+
+    @triton.jit
     def _dswiglu_cast_transpose_kernel(
         g_ptr,  # [M, N] fc2's dgrad
         x_ptr,  # [M, 2N] fc1's output: [activation input | gate]
@@ -73,53 +116,26 @@ if _HAVE_TRITON:
         b = tl.load(xa + N, mask=mask, other=0.0)
         adt = g.dtype
         g, a, b = g.to(tl.float32), a.to(tl.float32), b.to(tl.float32)
-        # TE's sigmoid, silu and dsilu: s = 1 / (1 + expf(-a)); dsilu = a * s (1 - s) + s (one
-        # fused multiply-add, as nvcc contracts it); d_act = dsilu * g * gate; d_gate = g * silu
-        one = tl.full([BM, BN], 1.0, tl.float32)
-        if RCP:
-            s = libdevice.rcp_rn(one + libdevice.exp(-a))
-        else:
-            s = libdevice.div_rn(one, one + libdevice.exp(-a))
-        dsilu = tl.fma(a, s * (one - s), s)
+        # TE's silu and dsilu: s = sigmoid(a); dsilu = a * s (1 - s) + s (one fused multiply-add,
+        # as nvcc contracts it); d_act = dsilu * g * gate; d_gate = g * silu
+        s = sigmoid(a, RCP)
+        dsilu = tl.fma(a, s * (1.0 - s), s)
         da = ((dsilu * g) * b).to(adt).to(tl.float32)
         db = (g * (a * s)).to(adt).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(da), 1), 0), tl.max(tl.max(tl.abs(db), 1), 0))
         tl.atomic_max(amax_ptr, amax)
         scale = tl.load(scale_ptr)
-        f8 = out_ptr.dtype.element_ty
-        # saturate as TE's cast does (to the largest finite value; NaN stays NaN), round to nearest
-        pa, pb = da * scale, db * scale
-        if CLAMP:
-            pa = tl.clamp(pa, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            pb = tl.clamp(pb, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-        qa = pa.to(f8, fp_downcast_rounding="rtne")
-        qb = pb.to(f8, fp_downcast_rounding="rtne")
-        if ROWWISE:
-            oa = out_ptr + rows64[:, None] * (2 * N) + cols[None, :]
-            tl.store(oa, qa, mask=mask)
-            tl.store(oa + N, qb, mask=mask)
-        if COLWISE:
-            if TRANS:
-                tmask = (cols < N)[:, None] & (rows < M)[None, :]
-                ta = out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :]
-                tb = out_t_ptr + (cols + N).to(tl.int64)[:, None] * M + rows[None, :]
-                tl.store(ta, tl.trans(qa), mask=tmask)
-                tl.store(tb, tl.trans(qb), mask=tmask)
-            else:
-                ta = out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None]
-                tb = out_t_ptr + (cols + N).to(tl.int64)[None, :] * M + rows[:, None]
-                tl.store(ta, qa, mask=mask)
-                tl.store(tb, qb, mask=mask)
+        qa = to_fp8(da, scale, out_ptr, FMAX, CLAMP)
+        qb = to_fp8(db, scale, out_ptr, FMAX, CLAMP)
+        store_fp8(out_ptr, out_t_ptr, qa, rows, cols, 0, 2 * N, M, N, ROWWISE, COLWISE, TRANS)
+        store_fp8(out_ptr, out_t_ptr, qb, rows, cols, N, 2 * N, M, N, ROWWISE, COLWISE, TRANS)
         if DBIAS:
             cmask = cols < N
             drow = dbias_ptr + pm.to(tl.int64) * (2 * N)
             tl.store(drow + cols, tl.sum(da, 0), mask=cmask)
             tl.store(drow + N + cols, tl.sum(db, 0), mask=cmask)
-        if (pm == 0) & (pn == 0):  # TE's scale_inv: 1 / scale, correctly rounded
-            zero = tl.zeros([BN], tl.int32)
-            sc = tl.load(scale_ptr + zero)
-            inv = libdevice.div_rn(tl.full([BN], 1.0, tl.float32), sc)
-            tl.store(scale_inv_ptr + zero, inv, mask=tl.arange(0, BN) == 0)
+        if (pm == 0) & (pn == 0):
+            store_scale_inv(scale_ptr, scale_inv_ptr, BN)
 
 
 # the launch: tile rows and columns, warps, the reciprocal by rcp_rn, the transposed store, the
@@ -128,21 +144,23 @@ CONFIG = {"BM": 32, "BN": 128, "WARPS": 4, "RCP": True, "TRANS": False, "CLAMP":
 LAUNCH_ENV = "MEGAFP8_DSWIGLU_LAUNCH"
 
 
-def parse_launch(spec: str) -> dict:
+def parse_launch(spec: str, config: dict | None = None, env: str = LAUNCH_ENV) -> dict:
     """``"BM=128,BN=64,WARPS=8,RCP=1"`` (``bench/kernel_probes.py --probes dswiglu`` prints the
-    fastest as such) -> the launch's keys and values; one line naming the bad part otherwise."""
+    fastest as such) -> the launch's keys and values, among ``config``'s keys (this kernel's by
+    default); one line naming the bad part and ``env`` otherwise."""
+    keys = CONFIG if config is None else config
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, value = part.partition("=")
         key = key.strip().upper()
-        if key not in CONFIG or not value.strip().isdigit():
+        if key not in keys or not value.strip().isdigit():
             raise ValueError(
-                f"{LAUNCH_ENV}: '{part}' is not KEY=INTEGER with KEY one of {', '.join(CONFIG)}"
+                f"{env}: '{part}' is not KEY=INTEGER with KEY one of {', '.join(keys)}"
             )
         v = int(value)
         if key in ("BM", "BN", "WARPS"):
             if v < 1 or v & (v - 1):
-                raise ValueError(f"{LAUNCH_ENV}: {key}={v} is not a power of two")
+                raise ValueError(f"{env}: {key}={v} is not a power of two")
             out[key] = v
         else:
             out[key] = bool(v)
@@ -192,6 +210,26 @@ def _te(grad, x, quantizer):
     return tex.bgrad_quantize(tex.dswiglu(grad, x, None), quantizer)
 
 
+def fp8_out(quantizer, shape, x: torch.Tensor):
+    """TE's empty FP8 tensor of ``shape`` for ``quantizer``, and the row-wise and column-wise
+    bytes the kernels write, as torch FP8 tensors (empty where TE allocated none: what TE
+    allocates decides what is written; it skips the transpose where the GPU's FP8 GEMM takes
+    other layouts)."""
+    out = quantizer.make_empty(list(shape), dtype=x.dtype, device=x.device)
+    f8 = _torch_fp8(quantizer)
+    none = torch.empty(0, dtype=f8, device=x.device)
+    data = out._data.view(f8) if getattr(out, "_data", None) is not None else none
+    data_t = out._transpose.view(f8) if getattr(out, "_transpose", None) is not None else none
+    return out, data, data_t
+
+
+def launch_args(c: dict, data: torch.Tensor, data_t: torch.Tensor) -> dict:
+    """The launch ``c`` as both SwiGLU kernels take it, writing the copies ``fp8_out`` gave."""
+    return dict(BM=c["BM"], BN=c["BN"], ROWWISE=data.numel() > 0, COLWISE=data_t.numel() > 0,
+                FMAX=torch.finfo(data.dtype).max, RCP=c["RCP"], TRANS=c["TRANS"],
+                CLAMP=c["CLAMP"], num_warps=c["WARPS"])  # fmt: skip
+
+
 def _fused(grad, x, quantizer, bias_grad=True, config=None):
     """The kernel: (bias gradient or None without ``bias_grad``, FP8 gradient)."""
     c = {**CONFIG, **(config or {})}
@@ -199,14 +237,7 @@ def _fused(grad, x, quantizer, bias_grad=True, config=None):
     g2 = grad.reshape(-1, n).contiguous()
     x2 = x.reshape(-1, 2 * n).contiguous()
     m = g2.shape[0]
-    out = quantizer.make_empty(list(x.shape), dtype=x.dtype, device=x.device)
-    f8 = _torch_fp8(quantizer)
-    # what TE allocated decides what is written (TE skips the transpose where the GPU's FP8
-    # GEMM takes other layouts)
-    row = getattr(out, "_data", None) is not None
-    col = getattr(out, "_transpose", None) is not None
-    data = out._data.view(f8) if row else torch.empty(0, dtype=f8, device=x.device)
-    data_t = out._transpose.view(f8) if col else data
+    out, data, data_t = fp8_out(quantizer, x.shape, x)
     grid = (triton.cdiv(m, c["BM"]), triton.cdiv(n, c["BN"]))
     rows = grid[0] if bias_grad else 0
     partial = torch.empty(rows, 2 * n, dtype=torch.float32, device=x.device)
@@ -221,18 +252,10 @@ def _fused(grad, x, quantizer, bias_grad=True, config=None):
         out._scale_inv,
         m,
         n,
-        BM=c["BM"],
-        BN=c["BN"],
-        ROWWISE=row,
-        COLWISE=col,
-        FMAX=torch.finfo(f8).max,
         DBIAS=bias_grad,
-        RCP=c["RCP"],
-        TRANS=c["TRANS"],
-        CLAMP=c["CLAMP"],
-        num_warps=c["WARPS"],
+        **launch_args(c, data, data_t),
     )
-    if col:
+    if data_t.numel():
         out._transpose_invalid = False
     return (partial.sum(0).to(x.dtype) if bias_grad else None), out
 
@@ -253,22 +276,24 @@ class Inconclusive(Exception):
     """The call's values cannot test the kernel (all zero, or not finite): check a later call."""
 
 
-def _compare(grad, x, qt, qf, **kw) -> list[str]:
-    (_, t), (_, f) = _te(grad, x, qt), _fused(grad, x, qf, **kw)
+def compare(te, fused, qt, qf) -> list[str]:
+    """What differs between the FP8 tensors ``te(qt)`` and ``fused(qf)`` and their quantizers'
+    amaxes: row-wise and column-wise data, scale_inv, amax (empty: nothing)."""
+    t, f = te(qt), fused(qf)
     parts = [("row-wise data", t._data, f._data), ("column-wise data", t._transpose, f._transpose),
              ("scale_inv", t._scale_inv, f._scale_inv), ("amax", qt.amax, qf.amax)]  # fmt: skip
     return [f"{name} ({int((a != b).sum())} of {a.numel()})"
             for name, a, b in parts if a is not None and not torch.equal(a, b)]  # fmt: skip
 
 
-def _same_bytes(grad, x, quantizer, **kw) -> str | None:
-    """Both ways on this call's operands with scratch amaxes, at the run's scale and again at a
-    power-of-two scale that puts this call's amax at the top of the FP8 range (at the run's scale
-    small gradients may all round to zero, which any encoding writes alike): None when the FP8
-    bytes, amax and scale_inv agree at both, else what differs. Raises ``Inconclusive`` for a
-    call whose values are all zero or not finite."""
+def same_bytes(te, fused, quantizer) -> str | None:
+    """``te`` and ``fused`` (quantizer -> FP8 tensor) on scratch amaxes, at the run's scale and
+    again at a power-of-two scale that puts this call's amax at the top of the FP8 range (at the
+    run's scale small values may all round to zero, which any encoding writes alike): None when
+    the FP8 bytes, amax and scale_inv agree at both, else what differs. Raises ``Inconclusive``
+    for a call whose values are all zero or not finite."""
     qt = _scratch(quantizer)
-    bad = _compare(grad, x, qt, _scratch(quantizer), **kw)
+    bad = compare(te, fused, qt, _scratch(quantizer))
     if bad:
         return ", ".join(bad)
     amax = float(qt.amax.max())
@@ -276,8 +301,38 @@ def _same_bytes(grad, x, quantizer, **kw) -> str | None:
         raise Inconclusive(f"amax {amax}")
     fmax = torch.finfo(_torch_fp8(quantizer)).max
     full = torch.full_like(quantizer.scale, 2.0 ** math.floor(math.log2(fmax / amax)))
-    again = _compare(grad, x, _scratch(quantizer, full), _scratch(quantizer, full), **kw)
+    again = compare(te, fused, _scratch(quantizer, full), _scratch(quantizer, full))
     return ", ".join(f"{b} at scale {float(full.flatten()[0]):g}" for b in again) or None
+
+
+def _same_bytes(grad, x, quantizer, **kw) -> str | None:
+    """``same_bytes`` for this kernel and TE's two on one call's operands."""
+    return same_bytes(
+        lambda q: _te(grad, x, q)[1], lambda q: _fused(grad, x, q, **kw)[1], quantizer
+    )
+
+
+def checked(table: dict, key, check, what: str, flag: str) -> bool | None:
+    """Whether the kernel may make this call: the first call for ``key`` runs ``check()`` (None
+    or what differs from TE's bytes) and files the answer in ``table``; a difference, or a kernel
+    that does not build, warns once and leaves TE's kernels every later call. None: this call
+    could not check (all zero, not finite, no memory for the check), so TE's kernels make it and
+    a later call checks."""
+    if key not in table:
+        try:
+            diff = check()
+        except (torch.cuda.OutOfMemoryError, Inconclusive):
+            return None
+        except Exception as e:  # a Triton that cannot build it: TE's kernels
+            diff = f"the kernel failed: {type(e).__name__}: {e}"
+        table[key] = diff is None
+        if diff is not None:
+            warnings.warn(
+                f"megafp8: the {what} differs from TE's kernels ({diff}); "
+                f"using TE's kernels ({flag} silences this)",
+                stacklevel=3,
+            )
+    return table[key]
 
 
 # (activation dtype, FP8 dtype) -> whether the kernel wrote TE's bytes on its first call
@@ -298,21 +353,10 @@ def dswiglu_quantize(grad: torch.Tensor, x: torch.Tensor, quantizer, **_):
         return _te(grad, x, quantizer)
     key = (x.dtype, _torch_fp8(quantizer))
     bias_grad = _installed.get("bias_grad", True)
-    if key not in _checked:  # checks the launch the calls make (one compiled kernel)
-        try:
-            diff = _same_bytes(grad, x, quantizer, bias_grad=bias_grad)
-        except (torch.cuda.OutOfMemoryError, Inconclusive):  # TE's now, check a later call
-            return _te(grad, x, quantizer)
-        except Exception as e:  # a Triton that cannot build it: TE's kernels
-            diff = f"the kernel failed: {type(e).__name__}: {e}"
-        _checked[key] = diff is None
-        if diff is not None:
-            warnings.warn(
-                f"megafp8: the fused SwiGLU backward differs from TE's kernels ({diff}); "
-                "using TE's kernels (--no-te-fused-dswiglu silences this)",
-                stacklevel=2,
-            )
-    if not _checked[key]:
+    # checks the launch the calls make (one compiled kernel)
+    ok = checked(_checked, key, lambda: _same_bytes(grad, x, quantizer, bias_grad=bias_grad),
+                 "fused SwiGLU backward", "--no-te-fused-dswiglu")  # fmt: skip
+    if not ok:
         return _te(grad, x, quantizer)
     return _fused(grad, x, quantizer, bias_grad=bias_grad)
 
@@ -324,10 +368,10 @@ def biased_mlp(bias: bool) -> None:
     _installed["bias_grad"] = _installed.get("bias_grad", False) or bias
 
 
-def install(enabled: bool) -> bool:
-    """Put (or take back) ``dswiglu_quantize`` as swiglu's fused backward in TE's LayerNormMLP
-    for delayed scaling. Returns whether it is in place. TE versions without that table keep
-    their own path. The table is TE's, one per process: the backend built last decides."""
+def _table() -> bool:
+    """Wrap TE's table of activations for te.LayerNormMLP once, so that under delayed scaling
+    swiglu's forward (fp8/swiglu_fwd.py) and fused backward (this module) are ours while they
+    are switched on. False where TE has no such table."""
     try:
         from transformer_engine.pytorch.module import layernorm_mlp as lm
     except ImportError:
@@ -340,13 +384,36 @@ def install(enabled: bool) -> bool:
 
         def table(recipe=None):
             funcs = _installed["orig"](recipe)
-            if _installed.get("on") and recipe is not None and recipe.delayed():
-                fwd, bwd, fused = funcs.get("swiglu", (None, None, None))
-                if fwd is not None and fused is None:
-                    funcs = dict(funcs)
-                    funcs["swiglu"] = (fwd, bwd, dswiglu_quantize)
+            if recipe is None or not recipe.delayed() or "swiglu" not in funcs:
+                return funcs
+            fwd, bwd, fused = was = funcs["swiglu"]
+            if _installed.get("on") and fwd is not None and fused is None:
+                fused = dswiglu_quantize
+            if _installed.get("fwd") is not None and fwd is not None:
+                fwd = _installed["fwd"]
+            if (fwd, bwd, fused) != was:
+                funcs = dict(funcs)
+                funcs["swiglu"] = (fwd, bwd, fused)
             return funcs
 
         lm._get_act_func_supported_list = table
+    return True
+
+
+def install(enabled: bool) -> bool:
+    """Put (or take back) ``dswiglu_quantize`` as swiglu's fused backward in TE's LayerNormMLP
+    for delayed scaling. Returns whether it is in place. TE versions without that table keep
+    their own path. The table is TE's, one per process: the backend built last decides."""
+    if not _table():
+        return False
     _installed["on"] = bool(enabled and _HAVE_TRITON)
     return _installed["on"]
+
+
+def install_forward(fn) -> bool:
+    """Put ``fn`` (or, with None, TE's own again) as swiglu's forward in the same table, for
+    delayed scaling. Returns whether one of ours is in place."""
+    if not _table():
+        return False
+    _installed["fwd"] = fn if _HAVE_TRITON else None
+    return _installed["fwd"] is not None

@@ -97,38 +97,16 @@ def test_layernorm_mlp_same_bits_with_it(bias):
     """Three forward and backward passes (the FP8 scales updated between them): outputs, input
     and weight gradients equal bit for bit; fc1's bias gradient (a column sum in another order)
     equal to rounding."""
-    import transformer_engine.common.recipe as ter
-    import transformer_engine.pytorch as te
-
     from megafp8.fp8 import dswiglu
+    from tests.gpu.te_mlp import three_passes
 
-    torch.manual_seed(0)
-    mlp = te.LayerNormMLP(256, 704, bias=bias, normalization="RMSNorm", activation="swiglu",
-                          params_dtype=torch.bfloat16)  # fmt: skip
-    with torch.no_grad():
-        for name, p in mlp.named_parameters():
-            if "bias" in name:
-                p.normal_(0, 0.1)
-    recipe = ter.DelayedScaling(fp8_format=ter.Format.HYBRID, amax_history_len=4)
-    xs = [torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    dys = [torch.randn_like(x) * 1e-2 for x in xs]
     calls = []
     fused = dswiglu.dswiglu_quantize
 
     def run(on: bool):
         dswiglu.install(on)
         dswiglu.biased_mlp(bias)  # as the te backend says it: no fc1 bias, no bias gradient
-        model = te.LayerNormMLP(256, 704, bias=bias, normalization="RMSNorm",
-                                activation="swiglu", params_dtype=torch.bfloat16)  # fmt: skip
-        model.load_state_dict(mlp.state_dict())
-        outs = []
-        for x, dy in zip(xs, dys, strict=True):  # three steps: the scales move between them
-            x = x.clone().requires_grad_(True)
-            with te.autocast(enabled=True, recipe=recipe):
-                y = model(x)
-            y.backward(dy)
-            outs += [y.detach(), x.grad]
-        return outs, {n: p.grad for n, p in model.named_parameters()}
+        return three_passes(bias)
 
     try:
         dswiglu.dswiglu_quantize = lambda *a, **k: calls.append(1) or fused(*a, **k)
