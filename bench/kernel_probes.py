@@ -21,6 +21,9 @@ side-by-side profiles differ, each timed with CUDA events (mean ms per call afte
 - ``dswiglu``: the gradient of fc1's output in te.LayerNormMLP's FP8 backward (fc2's dgrad
   [8192, 14336], fc1's output [8192, 28672]): TE's ``dswiglu`` then ``bgrad_quantize`` against
   megafp8's one kernel (``fp8/dswiglu.py``), the bytes compared, and the kernel's tile sizes.
+- ``swiglu``: fc2's FP8 input in te.LayerNormMLP's FP8 forward (fc1's output [8192, 28672]):
+  TE's ``swiglu`` (the activation and FP8 cast, then a transpose for the column-wise copy)
+  against megafp8's one kernel (``fp8/swiglu_fwd.py``), the bytes compared, and its launches.
 
     python bench/kernel_probes.py --json probes.json
 """
@@ -263,12 +266,54 @@ def dswiglu() -> dict:
     return out
 
 
+def swiglu() -> dict:
+    import transformer_engine.pytorch  # noqa: F401 (loads TE's core library first)
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    from megafp8.fp8 import dswiglu as dsw
+    from megafp8.fp8 import swiglu_fwd as sw
+
+    x = (torch.randn(S, 2 * 14336, device="cuda") * 2).bfloat16()  # Llama-3-8B fc1's output
+
+    def quantizer():
+        scale = torch.full((1,), 2.0**4, device="cuda")
+        return Float8Quantizer(scale, torch.zeros(1, device="cuda"), tex.DType.kFloat8E4M3)
+
+    qt, qo = quantizer(), quantizer()
+    out = {"differing_from_te": sw._same_bytes(x, quantizer()) or "nothing"}
+    te_fn, ours = (lambda: tex.swiglu(x, qt)), (lambda: sw._fused(x, qo))
+    for name, fn in (("te_swiglu", te_fn), ("triton_fused", ours)):
+        out[name + "_ms"] = timed(fn)
+        out[name + "_kernels_ms"] = kernel_ms(fn)
+    tiles = ((32, 128, 4), (32, 128, 2), (32, 256, 4), (16, 256, 4), (64, 64, 4), (64, 64, 8),
+             (64, 128, 4), (64, 128, 8), (128, 64, 4), (128, 64, 8), (128, 128, 8))  # fmt: skip
+    variants = [(t, True, trans, True) for t in tiles for trans in (False, True)]
+    variants += [((32, 128, 4), False, False, True), ((32, 128, 4), True, False, False)]
+    for (bm, bn, w), rcp, trans, clamp in variants:
+        cfg = {"BM": bm, "BN": bn, "WARPS": w, "RCP": rcp, "TRANS": trans, "CLAMP": clamp}
+        name = f"{bm}x{bn}_w{w}{'_rcp' if rcp else '_div'}{'_trans' if trans else ''}"
+        name += "" if clamp else "_noclamp"
+        try:
+            diff = sw._same_bytes(x, quantizer(), config=cfg) or "nothing"
+            ms = kernel_ms(lambda c=cfg: sw._fused(x, qo, config=c))
+            out["variant_" + name] = dict(kernels_ms=ms, differing_from_te=diff,
+                                          launch=dsw.launch_spec(cfg))  # fmt: skip
+        except Exception as e:  # a variant Triton cannot build
+            out["variant_" + name] = f"{type(e).__name__}: {str(e)[:200]}"
+    same = [v for v in out.values() if isinstance(v, dict) and v["differing_from_te"] == "nothing"]
+    best = min(same, key=lambda v: v["kernels_ms"], default=None)
+    out["fastest_launch"] = best["launch"] if best else None  # as swiglu_fwd.LAUNCH_ENV takes it
+    return out
+
+
 PROBES = {
     "rope": rope,
     "embedding": embedding,
     "output": output,
     "adamw": adamw,
     "dswiglu": dswiglu,
+    "swiglu": swiglu,
 }
 
 

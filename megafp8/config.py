@@ -69,6 +69,10 @@ class Fp8Config:
         True, "te backend, fused MLP, delayed scaling: the SwiGLU backward and its FP8 cast and "
         "transpose in one Triton kernel (TE's bytes, checked on the first call)"
     )  # fmt: skip
+    te_fused_swiglu: bool = _f(
+        False, "te backend, fused MLP, delayed scaling: the SwiGLU forward and its FP8 cast and "
+        "transpose in one Triton kernel (TE's bytes, checked on the first call)"
+    )  # fmt: skip
     te_norm_residual_add: bool = _f(
         True, "te backend, fused RMSNorm, no TP: the residual's gradient added inside the "
         "norm's backward (TE's rmsnorm_bwd_add) instead of by autograd after it"

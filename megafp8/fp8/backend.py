@@ -268,6 +268,7 @@ def build_backend(
             fused_norm=f.te_fused_norm,
             fused_mlp=f.te_fused_mlp,
             fused_dswiglu=f.te_fused_dswiglu,
+            fused_swiglu=f.te_fused_swiglu,
             norm_residual_add=f.te_norm_residual_add,
             attention_backend=attention_backend,
             weight_cache=f.te_weight_cache,

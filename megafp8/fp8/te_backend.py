@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from megafp8.fp8 import dswiglu, norm_residual, qkv_rope
+from megafp8.fp8 import dswiglu, norm_residual, qkv_rope, swiglu_fwd
 from megafp8.fp8.backend import Backend
 from megafp8.fp8.overflow_guard import layer_name
 from megafp8.fp8.plain_ops import SdpaAttention, apply_rope, rope_angles
@@ -56,6 +56,7 @@ class TEBackend(Backend):
         fused_norm: bool = True,
         fused_mlp: bool = False,
         fused_dswiglu: bool = True,
+        fused_swiglu: bool = False,
         norm_residual_add: bool = True,
         attention_backend: str = "auto",
         weight_cache: bool = True,
@@ -81,6 +82,8 @@ class TEBackend(Backend):
         # (fp8/dswiglu.py: TE's bytes; delayed scaling only, elsewhere TE's own kernels)
         delayed = recipe is not None and recipe.recipe == "delayed"
         self.fuses_dswiglu = dswiglu.install(self.fuses_mlp and fused_dswiglu and delayed)
+        # and its forward with the FP8 cast and transpose in one kernel (fp8/swiglu_fwd.py)
+        self.fuses_swiglu = swiglu_fwd.install(self.fuses_mlp and fused_swiglu and delayed)
         # the residual's gradient added inside TE's RMSNorm backward (fp8/norm_residual.py); the
         # block asks for it only where the norm is fused and there is no TP
         self.norm_residual_add = norm_residual.install(fused_norm and norm_residual_add)

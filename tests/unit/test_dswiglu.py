@@ -1,7 +1,8 @@
-"""fp8/dswiglu.py off the GPU: where the fused SwiGLU backward goes into TE's table (swiglu under
-delayed scaling only, and only while switched on), and that every case the kernel does not
-cover takes TE's own two kernels. TE is stood in for by modules of the same names; the kernel's
-bytes against TE's are tested on the GPU (tests/gpu/test_dswiglu_gpu.py)."""
+"""fp8/dswiglu.py and fp8/swiglu_fwd.py off the GPU: where the fused SwiGLU backward and forward go
+into TE's table (swiglu under delayed scaling only, and only while switched on), and that every
+case the kernels do not cover takes TE's own kernels. TE is stood in for by modules of the same
+names; the kernels' bytes against TE's are tested on the GPU (tests/gpu/test_dswiglu_gpu.py,
+tests/gpu/test_swiglu_fwd_gpu.py)."""
 
 import enum
 import sys
@@ -10,7 +11,7 @@ import types
 import pytest
 import torch
 
-from megafp8.fp8 import dswiglu
+from megafp8.fp8 import dswiglu, swiglu_fwd
 
 
 class _Recipe:
@@ -34,6 +35,7 @@ def fake_te(monkeypatch):
     tex = types.ModuleType("transformer_engine_torch")
     tex.dswiglu = lambda g, x, q: calls.append(("dswiglu", q)) or g
     tex.bgrad_quantize = lambda t, q: calls.append(("bgrad_quantize", q)) or ("dbias", t)
+    tex.swiglu = lambda x, q: calls.append(("swiglu", q)) or x
     mods = {
         "transformer_engine": types.ModuleType("transformer_engine"),
         "transformer_engine.pytorch": types.ModuleType("transformer_engine.pytorch"),
@@ -282,3 +284,87 @@ def test_the_launch_from_the_environment_is_checked_in_one_line():
     for spec, says in bad.items():
         with pytest.raises(ValueError, match=says):
             dswiglu.parse_launch(spec)
+
+
+def test_the_forward_goes_in_beside_the_backward_and_comes_out_alone(fake_te):
+    lm, _ = fake_te
+    assert swiglu_fwd.install(True)
+    table = lm._get_act_func_supported_list  # TE's, wrapped once
+    assert table(_Recipe("delayed"))["swiglu"] == (swiglu_fwd.swiglu_quantize, "dswiglu", None)
+    assert dswiglu.install(True)
+    both = (swiglu_fwd.swiglu_quantize, "dswiglu", dswiglu.dswiglu_quantize)
+    assert table(_Recipe("delayed"))["swiglu"] == both
+    for other in (_Recipe("mxfp8"), _Recipe("current"), None):
+        assert table(other)["swiglu"] == ("swiglu", "dswiglu", None)
+    assert not swiglu_fwd.install(False)
+    assert table(_Recipe("delayed"))["swiglu"] == ("swiglu", "dswiglu", dswiglu.dswiglu_quantize)
+    assert table(_Recipe("delayed"))["silu"] == ("silu", "dsilu", "dbias_dsilu")
+
+
+def test_forward_install_without_triton_keeps_te(fake_te, monkeypatch):
+    lm, _ = fake_te
+    monkeypatch.setattr(dswiglu, "_HAVE_TRITON", False)
+    assert not swiglu_fwd.install(True)
+    assert lm._get_act_func_supported_list(_Recipe("delayed"))["swiglu"][0] == "swiglu"
+
+
+def test_forward_cases_the_kernel_does_not_cover_take_tes_kernel(fake_te):
+    _, calls = fake_te
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    q = Float8Quantizer(dtype=_TEDType.kFloat8E4M3)
+    assert swiglu_fwd.fits(x, q) and swiglu_fwd.fits(x.half().view(2, 2, 16), q)
+    assert not swiglu_fwd.available(x, q)  # a CPU tensor
+    assert swiglu_fwd.swiglu_quantize(x, q) is x
+    assert swiglu_fwd.swiglu_quantize(x, None) is x  # TE's high-precision call
+    assert calls == [("swiglu", q), ("swiglu", None)]
+
+    class OtherQuantizer:
+        pass
+
+    assert not swiglu_fwd.fits(x, OtherQuantizer())
+    assert not swiglu_fwd.fits(x.float(), q)
+    assert not swiglu_fwd.fits(x[:, :15], q)  # odd: no [activation | gate] halves
+    q.dtype = _TEDType.kBFloat16
+    assert not swiglu_fwd.fits(x, q)
+
+
+@pytest.mark.parametrize("wrong", [None, "bytes", "raises"])
+def test_the_forwards_first_call_checks_it_against_te(monkeypatch, wrong):
+    used = []
+
+    def te(x, q):
+        used.append("te")
+        return _fp8(q, torch.arange(6))[1]
+
+    def fused(x, q, **kw):
+        used.append("fused")
+        if wrong == "raises":
+            raise RuntimeError("no kernel")
+        return _fp8(q, torch.arange(6).flip(0) if wrong else torch.arange(6))[1]
+
+    monkeypatch.setattr(swiglu_fwd, "available", lambda *a: True)
+    monkeypatch.setattr(swiglu_fwd, "_te", te)
+    monkeypatch.setattr(swiglu_fwd, "_fused", fused)
+    monkeypatch.setattr(swiglu_fwd, "_checked", {})
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), _TEDType.kFloat8E4M3)
+    if wrong is None:
+        swiglu_fwd.swiglu_quantize(x, q)
+        assert used == ["te", "fused", "te", "fused", "fused"]
+    else:
+        with pytest.warns(UserWarning, match="fused SwiGLU forward differs.*--no-te-fused-swiglu"):
+            swiglu_fwd.swiglu_quantize(x, q)
+        assert used[-1] == "te" and used.count("fused") == 1
+    assert float(q.amax) == 3.0  # the run's amax moved by the call itself only
+    used.clear()
+    swiglu_fwd.swiglu_quantize(x, q)
+    assert used == (["fused"] if wrong is None else ["te"])
+
+
+def test_the_forwards_launch_from_the_environment_is_checked_in_one_line():
+    cfg, env = swiglu_fwd.CONFIG, swiglu_fwd.LAUNCH_ENV
+    assert dswiglu.parse_launch("BM=64,WARPS=8,TRANS=1", cfg, env) == {
+        "BM": 64, "WARPS": 8, "TRANS": True
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="MEGAFP8_SWIGLU_LAUNCH: 'BK=4' is not KEY=INTEGER"):
+        dswiglu.parse_launch("BK=4", cfg, env)
