@@ -1,6 +1,9 @@
 # megafp8: set-up, demo, tests, lint and benchmarks.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
+# A CPU-only torch comes without Triton; this one lets the tests compile every Triton kernel for
+# sm_90 without a GPU (tests/unit/test_kernels_compile.py). A CUDA torch keeps its own.
+TRITON_SPEC ?= triton==3.5.0
 PYTEST_ARGS ?=
 DEMO_DIR ?= demo
 STAMP := .setup.stamp
@@ -10,6 +13,8 @@ STAMP := .setup.stamp
 # Install torch only where none is present (a GPU cluster keeps its own build), then the package.
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	@if $(PYTHON) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(PYTHON) -c "import triton" 2>/dev/null || $(PYTHON) -m pip install -q "$(TRITON_SPEC)"; fi
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
