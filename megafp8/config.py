@@ -169,6 +169,12 @@ class DataConfig:
     )
     vocab_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 vocab.json")
     merge_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 merges.txt")
+    tiktoken_pattern: str | None = _f(None, "TikTokenizer: the split pattern, v1 or v2 (None: v2)")
+    tiktoken_num_special_tokens: int = _f(1000, "TikTokenizer: ids before the vocab's first token")
+    tokenizer_special_tokens: tuple[str, ...] = _f(
+        (), "TikTokenizer: the first special tokens (must hold <unk> <s> </s> <mask> <pad> <cls> "
+        "<sep>; empty: those seven)"
+    )  # fmt: skip
     eod_mask_loss: bool = _f(False, "no loss where the input token is the EOD (document ends)")
     reset_position_ids: bool = _f(False, "positions restart at 0 after each EOD")
     reset_attention_mask: bool = _f(

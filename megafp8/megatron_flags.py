@@ -161,7 +161,6 @@ TABLE = [
     _f("min-loss-scale", float, "notice", "fp16 loss scaling (bf16 needs none)"),
     _f("loss-scale-window", float, "notice", "fp16 loss scaling (bf16 needs none)"),
     _f("hysteresis", int, "notice", "fp16 loss scaling (bf16 needs none)"),
-    _f("tiktoken-pattern", str, "notice", "only for TikTokenizer, which is not supported"),
     _f("wandb-project", str, "notice", "use --tensorboard-dir"),
     _f("wandb-exp-name", str, "notice", "use --tensorboard-dir"),
     _f("log-num-zeros-in-grad", "switch", "notice", "not computed"),

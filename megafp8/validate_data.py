@@ -94,6 +94,8 @@ def data(cfg: Config, e: list[str]) -> None:
                 parse(value)
             except ValueError as exc:
                 e.append(str(exc))
+    if d.tiktoken_pattern not in (None, "v1", "v2"):
+        e.append(f"tiktoken_pattern={d.tiktoken_pattern!r} must be v1 or v2")
     if t.most_recent_k is not None and t.most_recent_k < 1:
         e.append(f"most_recent_k={t.most_recent_k} must be >= 1 (the newest is always kept)")
     if t.save_retain_interval is not None and t.save_retain_interval < 1:

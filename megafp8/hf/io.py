@@ -103,6 +103,9 @@ def copy_tokenizer(data_cfg, out_dir: str) -> list[str]:
 
     kind = d.tokenizer_type or ("SentencePieceTokenizer" if d.tokenizer_model else "NullTokenizer")
     model = d.tokenizer_model
+    if kind == "TikTokenizer":  # a tiktoken vocab is not a Hugging Face tokenizer file
+        notes.append(f"{model}: a TikTokenizer vocab has no Hugging Face form: not copied")
+        model = None
     if d.vocab_file or d.merge_file:
         put(d.vocab_file, "vocab.json")
         put(d.merge_file, "merges.txt")
@@ -118,7 +121,7 @@ def copy_tokenizer(data_cfg, out_dir: str) -> list[str]:
                 put(sib, name)
         if not model.endswith(".json") and "tokenizer_config.json" not in copied:
             notes.append("no tokenizer_config.json beside the SentencePiece model: not written")
-    if not (model or d.vocab_file or d.merge_file):
+    if not (d.tokenizer_model or d.vocab_file or d.merge_file):
         notes.append(f"the run's tokenizer is {kind}: no tokenizer files to copy")
     for n in notes:
         log.warning("tokenizer: %s", n)

@@ -101,13 +101,13 @@ def test_llama3_8b_fp8_script():
     assert t.exit_duration_in_mins == 235 and t.distributed_timeout_minutes == 60
     assert t.profile and (t.profile_step_start, t.profile_step_end) == (2, 3)
     assert cfg.fp8.fp8_format == "hybrid" and cfg.data.tokenizer_type == "NullTokenizer"
+    assert cfg.data.tiktoken_pattern == "v2"  # TikTokenizer's flag: read, unused by Null
     noticed = sorted(n.split()[0] for n in notices)
     assert noticed == sorted(
         [
             "--use-mcore-models",
             "--fp8-param-gather",
             "--overlap-param-gather",
-            "--tiktoken-pattern",
             "--no-create-attention-mask-in-dataloader",
             "--no-mmap-bin-files",
         ]

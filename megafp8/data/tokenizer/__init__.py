@@ -16,6 +16,10 @@ Types (``--tokenizer-type``):
   BPE, EOD = ``<|endoftext|>``. ``HuggingFaceTokenizer`` (``--tokenizer-model`` a
   ``tokenizer.json`` or its directory): EOD = its eos token. Both need the optional
   ``tokenizers`` package. See ``bpe.py``.
+- ``TikTokenizer`` (``--tokenizer-model`` a tiktoken JSON vocab; ``--vocab-size``,
+  ``--tiktoken-num-special-tokens``, ``--tokenizer-special-tokens``, ``--tiktoken-pattern``):
+  Megatron-LM's id layout, special tokens first, EOD = ``</s>``. Needs the optional
+  ``tiktoken`` package. See ``tiktoken_bpe.py``.
 - ``NullTokenizer``: text is space-separated ids; Megatron-LM (main)'s ``--vocab-size V``
   means ``V`` ids in all, EOD ``V - 1`` (``NullTokenizer(V)``; Megatron's legacy tokenizer had
   ``V + 1``). With ``--mock-data`` and no tokenizer named, the mock vocab is the same ``V`` ids
@@ -42,6 +46,7 @@ from megafp8.data.tokenizer.spm import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megafp8.data.tokenizer.tiktoken_bpe import TikTokenizer
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -49,6 +54,7 @@ TOKENIZER_TYPES = (
     "Llama2Tokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
+    "TikTokenizer",
     "NullTokenizer",
 )
 SP_TYPES = {
@@ -67,6 +73,7 @@ __all__ = [
     "NullTokenizer",
     "SentencePieceTokenizer",
     "TOKENIZER_TYPES",
+    "TikTokenizer",
     "TokenizerBase",
     "build_tokenizer",
     "check_data_tokenizer",
@@ -89,11 +96,15 @@ def make_tokenizer(
     legacy: bool = False,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int | None = None,
+    special_tokens: tuple[str, ...] | list[str] | None = None,
 ) -> TokenizerBase:
     """Build a tokenizer by Megatron type name; None picks SentencePiece with a model, else Null.
 
-    ``vocab_size`` is NullTokenizer's whole size (EOD = ``vocab_size - 1``), Megatron's ``V``.
-    ``legacy`` is ``--tokenizer-sentencepiece-legacy``.
+    ``vocab_size`` is Megatron's ``V``: NullTokenizer's whole size (EOD = ``V - 1``) and
+    TikTokenizer's whole id range. ``legacy`` is ``--tokenizer-sentencepiece-legacy``; the
+    ``tiktoken_*`` and ``special_tokens`` arguments are TikTokenizer's flags.
     """
     if tokenizer_type is None:
         tokenizer_type = "SentencePieceTokenizer" if tokenizer_model else "NullTokenizer"
@@ -115,6 +126,14 @@ def make_tokenizer(
         raise ValueError(f"{tokenizer_type} needs a model file (--tokenizer-model)")
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(
+            tokenizer_model,
+            vocab_size,
+            num_special_tokens=tiktoken_num_special_tokens,
+            special=special_tokens,
+            pattern=tiktoken_pattern,
+        )
     return SP_TYPES[tokenizer_type](tokenizer_model, legacy=legacy)
 
 
@@ -135,6 +154,9 @@ def build_tokenizer(data_cfg, vocab_size: int | None = None) -> TokenizerBase:
         legacy=d.tokenizer_sentencepiece_legacy,
         vocab_file=d.vocab_file,
         merge_file=d.merge_file,
+        tiktoken_pattern=d.tiktoken_pattern,
+        tiktoken_num_special_tokens=d.tiktoken_num_special_tokens,
+        special_tokens=d.tokenizer_special_tokens,
     )
 
 

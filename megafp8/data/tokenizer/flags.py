@@ -1,7 +1,8 @@
 """Megatron's tokenizer flags for the data tools (as its ``_add_tokenizer_args``), and the
 picklable spec a tool hands its worker processes.
 
-``--vocab-size V`` is Megatron-LM (main)'s: NullTokenizer holds ``V`` ids, EOD ``V - 1``.
+``--vocab-size V`` is Megatron-LM (main)'s: NullTokenizer holds ``V`` ids, EOD ``V - 1``;
+TikTokenizer's ids are ``0 .. V-1``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from megafp8.data.tokenizer import TOKENIZER_TYPES, TokenizerBase, make_tokenize
 
 def add_tokenizer_args(group) -> None:
     """``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``,
-    ``--vocab-size`` and ``--tokenizer-sentencepiece-legacy`` on an argparse (group)."""
+    ``--vocab-size``, TikTokenizer's three flags and ``--tokenizer-sentencepiece-legacy`` on an
+    argparse (group)."""
     group.add_argument(
         "--tokenizer-type",
         choices=TOKENIZER_TYPES,
@@ -27,7 +29,26 @@ def add_tokenizer_args(group) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help="NullTokenizer: V ids in all, EOD = V - 1 (Megatron-LM main's meaning)",
+        help="NullTokenizer: V ids in all, EOD = V - 1; TikTokenizer: ids 0..V-1 (default 2^17)",
+    )
+    group.add_argument(
+        "--tiktoken-pattern",
+        choices=("v1", "v2"),
+        default=None,
+        help="TikTokenizer: the pattern that splits the text (default v2)",
+    )
+    group.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids before the vocab's first token",
+    )
+    group.add_argument(
+        "--tokenizer-special-tokens",
+        nargs="+",
+        default=None,
+        help="TikTokenizer: the first special tokens (must hold <unk> <s> </s> <mask> <pad> "
+        "<cls> <sep>; default those seven)",
     )
     group.add_argument(
         "--tokenizer-sentencepiece-legacy",
@@ -46,6 +67,9 @@ def tokenizer_spec(args) -> dict:
         "legacy": args.tokenizer_sentencepiece_legacy,
         "vocab_file": args.vocab_file,
         "merge_file": args.merge_file,
+        "tiktoken_pattern": args.tiktoken_pattern,
+        "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
+        "special_tokens": args.tokenizer_special_tokens,
     }
 
 

@@ -7,8 +7,9 @@ its files, and the dataset's largest token id. Megatron ignores the extra file; 
 
 At training start, each dataset is checked against the run's tokenizer:
 
-- with a sidecar: the tokenizer files must be the same bytes, the EOD the same id, and the
-  largest token id inside the vocab (a type or flag change that keeps the ids, such as
+- with a sidecar: the tokenizer files must be the same bytes, the EOD the same id, the options
+  that move ids the same (TikTokenizer: pattern, special tokens), and the largest token id
+  inside the vocab (a type or flag change that keeps the ids, such as
   ``GPTSentencePieceTokenizer`` vs ``SentencePieceTokenizer``, passes);
 - without one (data made by Megatron or before sidecars): the largest token id of the whole
   ``.bin`` when it is small, else of evenly spaced windows of it (``SAMPLE_TOKENS`` tokens in all,
@@ -96,9 +97,10 @@ def sampled_max_token_id(prefix: str, budget: int = SAMPLE_TOKENS) -> tuple[int,
 def _describe(fp: dict) -> str:
     files = ", ".join(f"{k} sha256 {v[:12]}" for k, v in sorted(fp.get("files", {}).items()))
     legacy = " legacy" if fp.get("legacy") else ""
+    opts = "".join(f", {k} {v}" for k, v in sorted(fp.get("options", {}).items()))
     return (
         f"{fp.get('tokenizer_type')}{legacy} ({files or 'no files'}; EOD {fp.get('eod')}, "
-        f"vocab {fp.get('vocab_size')})"
+        f"vocab {fp.get('vocab_size')}{opts})"
     )
 
 
@@ -108,7 +110,8 @@ def check_dataset_tokenizer(prefix: str, tokenizer, padded_vocab: int | None = N
     side = read_sidecar(prefix)
     if side is not None:
         same_files = sorted(side.get("files", {}).values()) == sorted(mine["files"].values())
-        if not same_files or side.get("eod") != mine["eod"]:
+        same_ids = side.get("eod") == mine["eod"] and side.get("options") == mine.get("options")
+        if not same_files or not same_ids:
             null = side.get("tokenizer_type") == mine.get("tokenizer_type") == "NullTokenizer"
             flags = f"--vocab-size {side.get('vocab_size')}" if null else "the tokenizer flags"
             raise ValueError(
